@@ -1,0 +1,107 @@
+"""Planning one packed step: which rows each new token writes and which it reads.
+
+A step is a list of segments, each some new tokens of one slot. Laid out flat:
+
+    token:   | s2 s2 s2 s2 | s0 | s5 | pad pad ... pad |
+    segment: | prefill(4)  | dec| dec| scratch slot    |   padded to a ROW_BUCKET multiple
+
+Token j of a segment of slot s (rows already valid: len) writes row len + j and reads
+rows [0, len + j + 1) if the segment is causal, [0, len + n) if bidirectional (the
+pi0.5 prefix attends to itself in both directions). Positions continue from
+next_pos[s]. The plan is built on the host from the arena's host-side lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embodied_kv.kernels.packed_attention import Run, bucket
+from embodied_kv.kv.arena import KVArena
+
+
+@dataclass(frozen=True)
+class Segment:
+    slot: int
+    n: int  # new tokens of this slot in this step
+    causal: bool = True  # False: the n tokens see each other (pi0.5 prefix)
+
+
+@dataclass
+class PackedStep:
+    segments: tuple[Segment, ...]
+    n_real: int  # tokens before padding
+    slot: torch.Tensor  # [Np] int64, device
+    position: torch.Tensor  # [Np] int64, device: RoPE positions
+    row: torch.Tensor  # [L, Np] int64, device: where each token's K/V goes
+    kv_len: torch.Tensor  # [L, Np] int64, device: rows each token reads
+    kv_len_host: torch.Tensor  # [L, Np] int64, host copy (no sync in the reference)
+    runs: list[Run]  # contiguous runs of one slot (host)
+    last: list[int]  # index of each segment's last token
+
+    @property
+    def n_padded(self) -> int:
+        return int(self.slot.shape[0])
+
+
+def plan_step(arena: KVArena, segments: list[Segment] | tuple[Segment, ...]) -> PackedStep:
+    """Lay out a step; ValueError if a slot is repeated, unknown or would overflow."""
+    if not segments:
+        raise ValueError("a packed step needs at least one segment")
+    spec = arena.spec
+    seen = set()
+    for seg in segments:
+        if seg.slot in seen or not 0 <= seg.slot < spec.num_slots or seg.n < 1:
+            raise ValueError(f"bad segment {seg} (slots must be distinct, in range, n >= 1)")
+        seen.add(seg.slot)
+        if arena.slot_len(seg.slot) + seg.n > spec.max_len:
+            raise ValueError(
+                f"slot {seg.slot} holds {arena.slot_len(seg.slot)} rows; {seg.n} more exceed "
+                f"max_len={spec.max_len}"
+            )
+    n_real = sum(s.n for s in segments)
+    n_pad = bucket(n_real)
+    L = spec.num_layers
+    slot = torch.empty(n_pad, dtype=torch.int64)
+    position = torch.empty(n_pad, dtype=torch.int64)
+    row = torch.empty(L, n_pad, dtype=torch.int64)
+    kv_len = torch.empty(L, n_pad, dtype=torch.int64)
+    runs, last, start = [], [], 0
+    for seg in segments:
+        j = torch.arange(seg.n)
+        base = arena.length[:, seg.slot].unsqueeze(1)  # [L, 1]
+        end = start + seg.n
+        slot[start:end] = seg.slot
+        position[start:end] = int(arena.next_pos[seg.slot]) + j
+        row[:, start:end] = base + j
+        kv_len[:, start:end] = base + (j + 1 if seg.causal else seg.n)
+        runs.append((seg.slot, start, seg.n))
+        last.append(end - 1)
+        start = end
+    if n_pad > n_real:
+        j = torch.arange(n_pad - n_real)
+        slot[n_real:] = arena.scratch_slot
+        position[n_real:] = 0
+        row[:, n_real:] = j
+        kv_len[:, n_real:] = j + 1
+        runs.append((arena.scratch_slot, n_real, n_pad - n_real))
+    dev = arena.device
+    return PackedStep(
+        segments=tuple(segments),
+        n_real=n_real,
+        slot=slot.to(dev),
+        position=position.to(dev),
+        row=row.to(dev),
+        kv_len=kv_len.to(dev),
+        kv_len_host=kv_len,
+        runs=runs,
+        last=last,
+    )
+
+
+def commit_step(arena: KVArena, step: PackedStep) -> None:
+    """Make the rows written by `step` valid (call after the forward pass)."""
+    for seg in step.segments:
+        arena.length[:, seg.slot] += seg.n
+        arena.next_pos[seg.slot] += seg.n

@@ -1,0 +1,76 @@
+"""The Gemma backbone over the arena: every call is one packed step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from embodied_kv.kernels.packed_attention import bucket, packed_attention
+from embodied_kv.kv.arena import KVArena
+from embodied_kv.kv.step import PackedStep
+from embodied_kv.model.config import GemmaConfig
+from embodied_kv.model.layers import Attention, GatedMLP, RMSNorm, Rope
+
+
+class BackboneLayer(nn.Module):
+    def __init__(self, cfg: GemmaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.width, cfg.rms_eps)
+        self.self_attn = Attention(cfg.width, cfg.heads, cfg.kv_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(cfg.width, cfg.rms_eps)
+        self.mlp = GatedMLP(cfg.width, cfg.mlp)
+
+
+class GemmaBackbone(nn.Module):
+    def __init__(self, cfg: GemmaConfig, vocab_size: int, max_pos: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(vocab_size, cfg.width)
+        self.layers = nn.ModuleList(BackboneLayer(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.width, cfg.rms_eps)
+        self.rope = Rope(cfg.head_dim, max_pos, cfg.rope_theta)
+        self.scale = cfg.head_dim**-0.5
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [N] -> [N, W], scaled by sqrt(width) (Gemma)."""
+        e = self.embed_tokens(ids)
+        return e * torch.tensor(math.sqrt(self.cfg.width), dtype=e.dtype)
+
+    def forward(self, x: torch.Tensor, step: PackedStep, arena: KVArena) -> torch.Tensor:
+        """x [Np, W] embeddings laid out as `step` says -> final-normed hidden [Np, W].
+
+        Writes every token's K/V into its arena row; reads what kv_len allows."""
+        assert x.shape[0] == step.n_padded
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x))
+            q = self.rope(q, step.position)
+            k = self.rope(k, step.position)
+            k_cache, v_cache = arena.k[i], arena.v[i]
+            k_cache[step.slot, step.row[i]] = k.to(k_cache.dtype)
+            v_cache[step.slot, step.row[i]] = v.to(v_cache.dtype)
+            o = packed_attention(
+                q,
+                k_cache,
+                v_cache,
+                step.slot,
+                step.kv_len[i],
+                self.scale,
+                step.runs,
+                step.kv_len_host[i],
+            )
+            x = x + attn.o_proj(o.reshape(x.shape[0], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
+        """Tied LM head on the rows `index` of hidden [Np, W] -> [len(index), V] fp32.
+
+        Rows are padded to a bucket so a row's logits do not depend on how many
+        others are computed with it (batch invariance)."""
+        n = len(index)
+        idx = torch.tensor(index + [index[-1]] * (bucket(n) - n), device=hidden.device)
+        h = hidden.index_select(0, idx)
+        return (h @ self.embed_tokens.weight.t())[:n].float()

@@ -1,0 +1,113 @@
+"""Gemma building blocks: RMSNorm (plain and adaptive), gated GELU-tanh MLP, RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class AdaRMSNorm(nn.Module):
+    """pi0.5's adaptive RMSNorm: a dense layer of the time condition gives scale,
+    shift and the gate of the residual that follows (openpi gemma.RMSNorm with cond)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(dim, 3 * dim)  # [3*W, W]: scale, shift, gate
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., W], cond [W] -> (normed [..., W], gate [W])."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale, shift, gate = self.dense(cond).float().chunk(3, dim=-1)
+        return (normed * (1.0 + scale) + shift).to(x.dtype), gate.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, hidden, bias=False)
+        self.up_proj = nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Q/K/V/O projections of one layer (the attention itself is done by the caller,
+    because the backbone reads the arena and the expert reads prefix + suffix)."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(width, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, width, bias=False)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, W] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        return q, k, v
+
+
+class Rope(nn.Module):
+    """Rotary embedding in HF's half-split layout (the checkpoints' q/k layout).
+
+    The tables stay fp32 whatever the model dtype: call `reset_tables` after `.to()`."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float):
+        super().__init__()
+        self.head_dim, self.max_pos, self.theta = head_dim, max_pos, theta
+        self.register_buffer("cos", torch.empty(max_pos, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_pos, head_dim // 2), persistent=False)
+        if self.cos.device.type != "meta":
+            self.reset_tables()
+
+    def reset_tables(self) -> None:
+        d = self.head_dim
+        inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.arange(self.max_pos, dtype=torch.float64)[:, None] * inv[None]  # [P, D/2]
+        dev = self.cos.device
+        self.cos = ang.cos().float().to(dev)
+        self.sin = ang.sin().float().to(dev)
+
+    def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D], position [N] -> x rotated, same dtype."""
+        cos = self.cos[position][:, None, :]  # [N, 1, D/2]
+        sin = self.sin[position][:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def sinusoidal_time(
+    t: torch.Tensor, dim: int, min_period: float, max_period: float
+) -> torch.Tensor:
+    """openpi's posemb_sincos: t [B] in [0, 1] -> [B, dim]."""
+    if dim % 2:
+        raise ValueError(f"time embedding dim {dim} must be even")
+    fraction = torch.linspace(0.0, 1.0, dim // 2, dtype=torch.float64, device=t.device)
+    period = min_period * (max_period / min_period) ** fraction
+    ang = t.double()[:, None] * (1.0 / period)[None] * 2 * math.pi
+    return torch.cat([ang.sin(), ang.cos()], dim=-1).float()

@@ -1,0 +1,81 @@
+"""Tokenizers and the pi0.5 prompt (task + discretised state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255; needs no download (the `tiny` preset)."""
+
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([self.bos_id] if bos else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class GemmaTokenizer:
+    """PaliGemma's SentencePiece tokenizer, from a user-given file or directory."""
+
+    def __init__(self, path: str | Path):
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"tokenizer path {path} does not exist")
+        self._tok = AutoTokenizer.from_pretrained(str(path))
+        self.bos_id = self._tok.bos_token_id
+        self.eos_id = self._tok.eos_token_id
+        self.pad_id = self._tok.pad_token_id
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if bos else []) + ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def make_tokenizer(kind: str, path: str | Path | None = None):
+    if kind == "bytes":
+        return ByteTokenizer()
+    if kind == "gemma":
+        if path is None:
+            raise ValueError("the gemma tokenizer needs a path (tokenizer.model / tokenizer.json)")
+        return GemmaTokenizer(path)
+    raise ValueError(f"unknown tokenizer {kind!r}; use 'bytes' or 'gemma'")
+
+
+def discretize_state(state: np.ndarray, bins: int = 256) -> np.ndarray:
+    """openpi pi05: state in [-1, 1] -> bin ids 0..bins-1 (values outside are clipped)."""
+    edges = np.linspace(-1.0, 1.0, bins + 1)[:-1]
+    return np.clip(np.digitize(np.asarray(state, dtype=np.float64), edges) - 1, 0, bins - 1)
+
+
+def clean_task(task: str) -> str:
+    return task.strip().replace("_", " ").replace("\n", " ")
+
+
+def format_prompt(task: str, state: np.ndarray, bins: int = 256) -> str:
+    """The pi0.5 prompt: `Task: <task>, State: <s0 s1 ...>;\\nAction: `."""
+    state_str = " ".join(str(int(b)) for b in discretize_state(state, bins))
+    return f"Task: {clean_task(task)}, State: {state_str};\nAction: "
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    ids: list[int]
+    truncated: bool  # the prompt was longer than max_text_tokens and was cut
+
+
+def tokenize_prompt(tokenizer, task: str, state: np.ndarray, max_tokens: int, bins: int = 256):
+    ids = tokenizer.encode(format_prompt(task, state, bins), bos=True)
+    return PromptTokens(ids=ids[:max_tokens], truncated=len(ids) > max_tokens)

@@ -1,0 +1,43 @@
+"""Vision tower (SigLIP, no pooling head) and the linear projector to the backbone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import SiglipVisionConfig, SiglipVisionModel
+
+from embodied_kv.model.config import VisionConfig
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg: VisionConfig, out_width: int):
+        super().__init__()
+        self.cfg = cfg
+        hf = SiglipVisionConfig(
+            hidden_size=cfg.width,
+            intermediate_size=cfg.mlp,
+            num_hidden_layers=cfg.layers,
+            num_attention_heads=cfg.heads,
+            image_size=cfg.image_size,
+            patch_size=cfg.patch_size,
+            vision_use_head=False,
+            hidden_act="gelu_pytorch_tanh",
+            layer_norm_eps=1e-6,
+        )
+        hf._attn_implementation = "eager"
+        self.tower = SiglipVisionModel(hf)
+        self.projector = nn.Linear(cfg.width, out_width)
+
+    def reset_buffers(self) -> None:
+        """Non-parameter state lost when the module was built on the meta device."""
+        emb = self.tower.embeddings
+        n = emb.position_ids.shape[-1]
+        emb.position_ids.copy_(torch.arange(n, device=emb.position_ids.device).expand(1, -1))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """images [C, 3, S, S] in [-1, 1] -> image tokens [C, P, W_backbone]."""
+        s = self.cfg.image_size
+        if images.dim() != 4 or tuple(images.shape[1:]) != (3, s, s):
+            raise ValueError(f"expected images [C, 3, {s}, {s}], got {tuple(images.shape)}")
+        feats = self.tower(pixel_values=images.to(self.projector.weight.dtype)).last_hidden_state
+        return self.projector(feats)

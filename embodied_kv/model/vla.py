@@ -1,0 +1,189 @@
+"""The Mixture-of-Transformers VLA over the arena (pi0.5 class).
+
+Every backbone call is one packed step (`VLA.step`); prefill, append, decode and
+mixed batches are that step with different inputs. The action expert reads a
+prefix slot and never writes the arena.
+
+    prefix of a frame:  [cam0 tokens | cam1 tokens | ... | BOS Task: ..., State: ...;\\nAction: ]
+                        bidirectional within itself; positions 0..P-1
+    language request:   continues causally in the same slot from position P
+    action expert:      H action tokens at positions P..P+H-1, read rows [0, P)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from embodied_kv.kv.arena import ArenaSpec, KVArena
+from embodied_kv.kv.step import Segment, commit_step, plan_step
+from embodied_kv.model.backbone import GemmaBackbone
+from embodied_kv.model.config import ModelConfig
+from embodied_kv.model.expert import ActionExpert
+from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
+from embodied_kv.model.vision import VisionEncoder
+
+
+@dataclass
+class Observation:
+    images: torch.Tensor  # [num_cameras, 3, S, S] in [-1, 1]; rows of absent cameras ignored
+    state: np.ndarray  # [<= state_dim] robot state, normalised to [-1, 1]
+    instruction: str
+    camera_mask: tuple[bool, ...] | None = None  # None: all cameras present
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """New tokens of one slot for a packed step: ids or ready embeddings."""
+
+    slot: int
+    ids: torch.Tensor | None = None  # [n] token ids
+    embeds: torch.Tensor | None = None  # [n, W] (image + text prefix)
+    causal: bool = True
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.shape[0] if self.ids is not None else self.embeds.shape[0])
+
+
+@dataclass(frozen=True)
+class Prefix:
+    embeds: torch.Tensor  # [P, W]
+    prompt_truncated: bool
+
+
+class VLA(nn.Module):
+    def __init__(self, cfg: ModelConfig, tokenizer_path: str | None = None):
+        super().__init__()
+        self.cfg = cfg
+        max_pos = 4 * cfg.prefix_tokens_max + 4096  # prefix + language + action suffix
+        self.vision = VisionEncoder(cfg.vision, cfg.backbone.width)
+        self.backbone = GemmaBackbone(cfg.backbone, cfg.vocab_size, max_pos)
+        self.expert = ActionExpert(cfg, max_pos)
+        self.tokenizer = make_tokenizer(cfg.tokenizer, tokenizer_path)
+        if self.tokenizer.vocab_size > cfg.vocab_size:
+            raise ValueError(
+                f"tokenizer has {self.tokenizer.vocab_size} ids > vocab {cfg.vocab_size}"
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.embed_tokens.weight.dtype
+
+    def arena_spec(self, num_slots: int, max_len: int) -> ArenaSpec:
+        b = self.cfg.backbone
+        return ArenaSpec(b.layers, num_slots, max_len, b.kv_heads, b.head_dim, self.dtype)
+
+    def new_arena(self, num_slots: int, max_len: int) -> KVArena:
+        return KVArena(self.arena_spec(num_slots, max_len), self.device)
+
+    # -- inputs -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def embed_prefix(self, obs: Observation) -> Prefix:
+        """Image tokens of the present cameras, then the embedded pi0.5 prompt -> [P, W]."""
+        c = self.cfg
+        mask = obs.camera_mask or (True,) * c.num_cameras
+        if len(mask) != c.num_cameras or obs.images.shape[0] != c.num_cameras:
+            raise ValueError(
+                f"expected {c.num_cameras} camera images and mask entries, got "
+                f"{obs.images.shape[0]} and {len(mask)}"
+            )
+        state = np.zeros(c.state_dim)
+        s = np.asarray(obs.state, dtype=np.float64).reshape(-1)[: c.state_dim]
+        state[: s.shape[0]] = s
+        prompt = tokenize_prompt(
+            self.tokenizer, obs.instruction, state, c.max_text_tokens, c.state_bins
+        )
+        ids = torch.tensor(prompt.ids, dtype=torch.long, device=self.device)
+        parts = []
+        present = [i for i, m in enumerate(mask) if m]
+        if present:
+            imgs = obs.images[present].to(self.device, self.dtype)
+            parts.append(self.vision(imgs).reshape(-1, c.backbone.width))
+        parts.append(self.backbone.embed(ids))
+        return Prefix(torch.cat(parts, dim=0), prompt.truncated)
+
+    def make_noise(self, seed: int) -> torch.Tensor:
+        """Seeded noise [H, A], drawn on the CPU so every device gets the same values."""
+        g = torch.Generator().manual_seed(seed)
+        h = torch.randn(self.cfg.action_horizon, self.cfg.action_dim, generator=g)
+        return h.to(self.device, self.dtype)
+
+    # -- the one packed step --------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, arena: KVArena, inputs: list[StepInput]) -> torch.Tensor:
+        """Run one packed step; returns fp32 logits [len(inputs), V] at each input's last token."""
+        segments = [Segment(i.slot, i.n, i.causal) for i in inputs]
+        plan = plan_step(arena, segments)
+        w = self.cfg.backbone.width
+        x = torch.zeros(plan.n_padded, w, device=self.device, dtype=self.dtype)
+        start = 0
+        for inp in inputs:
+            e = (
+                inp.embeds
+                if inp.embeds is not None
+                else self.backbone.embed(inp.ids.to(self.device))
+            )
+            x[start : start + inp.n] = e.to(self.dtype)
+            start += inp.n
+        hidden = self.backbone(x, plan, arena)
+        commit_step(arena, plan)
+        return self.backbone.logits(hidden, plan.last)
+
+    def prefill(self, arena: KVArena, slot: int, prefix: Prefix) -> torch.Tensor:
+        """Bidirectional prefix into an empty slot -> logits [V] of its last token."""
+        if arena.slot_len(slot):
+            raise ValueError(
+                f"prefill needs an empty slot; slot {slot} holds {arena.slot_len(slot)} rows"
+            )
+        return self.step(arena, [StepInput(slot, embeds=prefix.embeds, causal=False)])[0]
+
+    def append(self, arena: KVArena, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """Causal text appended to a slot -> logits [V] after its last token."""
+        return self.step(arena, [StepInput(slot, ids=ids)])[0]
+
+    def decode(self, arena: KVArena, slots: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """One token for each slot in one step: ids [B] -> logits [B, V]."""
+        return self.step(arena, [StepInput(s, ids=ids[i : i + 1]) for i, s in enumerate(slots)])
+
+    @torch.no_grad()
+    def sample_actions(
+        self, arena: KVArena, slot: int, prefix_len: int, noise: torch.Tensor
+    ) -> torch.Tensor:
+        """Action chunk [H, A] from the prefix rows [0, prefix_len) of `slot`."""
+        if not 0 < prefix_len <= int(arena.length[:, slot].min()):
+            raise ValueError(
+                f"prefix_len {prefix_len} not within slot {slot}'s {arena.slot_len(slot)} rows"
+            )
+        return self.expert.sample(arena, slot, prefix_len, noise)
+
+
+def build_model(
+    cfg: ModelConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    tokenizer_path: str | None = None,
+) -> VLA:
+    """A VLA with deterministic random weights (seed cfg.seed), fp32 on CPU, bf16 on CUDA."""
+    from embodied_kv.model.weights import init_weights
+
+    device = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device("meta"):
+        model = VLA(cfg, tokenizer_path)
+    model = model.to_empty(device=device)
+    init_weights(model, cfg.seed)
+    model = model.to(dtype=dtype).eval()
+    for rope in (model.backbone.rope, model.expert.rope):
+        rope.reset_tables()
+    model.vision.reset_buffers()
+    return model

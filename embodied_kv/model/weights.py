@@ -1,0 +1,126 @@
+"""Deterministic random init and the package's own safetensors layout.
+
+Own layout: the VLA's state_dict keys, plus metadata `format` (version),
+`config` (the ModelConfig as JSON) so a file is never loaded into another shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from embodied_kv.model.layers import AdaRMSNorm, RMSNorm
+
+FORMAT = "embodied_kv.weights/1"
+INIT_STD = 0.02  # embeddings and adaptive-norm modulation, as HF initialises Gemma
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter from a generator seeded with `seed` on the model's device.
+
+    Projections get std fan_in**-0.5 (not HF's 0.02): with 0.02 a random Gemma with a
+    tied head only echoes its input token, and greedy text would not depend on the
+    context. Adaptive norms start as plain pre-norm residuals (gate bias 1), so the
+    action expert depends on the prefix from the first step."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    ada_dense = {id(m.dense) for m in model.modules() if isinstance(m, AdaRMSNorm)}
+    for m in model.modules():
+        if isinstance(m, AdaRMSNorm):
+            m.dense.weight.normal_(0.0, INIT_STD, generator=g)
+            m.dense.bias.zero_()
+            m.dense.bias[2 * m.dense.out_features // 3 :] = 1.0
+        elif isinstance(m, (nn.Linear, nn.Conv2d)) and id(m) not in ada_dense:
+            fan_in = m.weight[0].numel()
+            m.weight.normal_(0.0, fan_in**-0.5, generator=g)
+            if m.bias is not None:
+                m.bias.zero_()
+        elif isinstance(m, nn.Embedding):
+            m.weight.normal_(0.0, INIT_STD, generator=g)
+        elif isinstance(m, nn.LayerNorm):
+            m.weight.fill_(1.0)
+            m.bias.zero_()
+        elif isinstance(m, RMSNorm):
+            m.weight.zero_()
+
+
+def config_json(cfg) -> str:
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes (capsules check it)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        t = p.detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors written to a temporary file in the same directory, then renamed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_weights(model, path: str | Path) -> None:
+    atomic_save(
+        model.state_dict(), Path(path), {"format": FORMAT, "config": config_json(model.cfg)}
+    )
+
+
+@torch.no_grad()
+def load_weights(model, path: str | Path) -> None:
+    """Load the own layout; ValueError naming the config mismatch or the bad tensors."""
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise ValueError(
+                f"{path}: not an embodied_kv weights file (format={meta.get('format')!r})"
+            )
+        if meta.get("config") != config_json(model.cfg):
+            raise ValueError(
+                f"{path}: saved for another model config than preset {model.cfg.name!r}"
+            )
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    assign_state(model, tensors, str(path))
+
+
+def assign_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy tensors into the model's parameters; every key and shape must match."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    bad = [
+        f"{k}: file {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(tensors))
+        if tuple(tensors[k].shape) != tuple(own[k].shape)
+    ]
+    if missing or unexpected or bad:
+        raise ValueError(
+            f"{source}: cannot load — missing {missing[:20]}{'...' if len(missing) > 20 else ''}; "
+            f"unexpected {unexpected[:20]}{'...' if len(unexpected) > 20 else ''}; "
+            f"mis-shaped {bad[:20]}"
+        )
+    for k, t in tensors.items():
+        own[k].copy_(t.to(own[k].dtype))
