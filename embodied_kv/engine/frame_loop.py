@@ -1,0 +1,175 @@
+"""One control cycle of the unified engine (OxyGen): prefill once, act on time, then
+decode every live language request together for the time that is left."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
+from embodied_kv.kv.manager import KVCacheManager, Request, TaskKind
+from embodied_kv.model.vla import Observation
+
+
+@dataclass(frozen=True)
+class TextEvent:
+    request_id: str
+    kind: TaskKind
+    frame: int  # the frame whose prefix the request continues
+    text: str  # everything generated so far
+    new_text: str  # since the previous event of this request
+    done: bool
+    truncated: bool
+
+
+@dataclass
+class CycleResult:
+    frame: int
+    chunk: np.ndarray  # [H, A] the action chunk of this frame
+    prefix_len: int
+    prefill_s: float
+    action_s: float  # prefill start -> chunk in the queue
+    decode_steps: int
+    cycle_s: float
+    events: list[TextEvent] = field(default_factory=list)
+
+
+@dataclass
+class LoopCounters:
+    cycles: int = 0
+    action_late: int = 0  # chunk ready after the cycle's deadline
+    overruns: int = 0  # cycle ended after its deadline
+    decode_deferred: int = 0  # cycles that stopped decoding with requests still live
+
+
+class StepCost:
+    """Moving estimate of one batched decode step (s), per batch size seen."""
+
+    def __init__(self, ema: float):
+        self.ema = ema
+        self._by_batch: dict[int, float] = {}
+
+    def estimate(self, batch: int) -> float | None:
+        if batch in self._by_batch:
+            return self._by_batch[batch]
+        known = [v for b, v in self._by_batch.items() if b >= batch]
+        return min(known) if known else (max(self._by_batch.values()) if self._by_batch else None)
+
+    def update(self, batch: int, seconds: float) -> None:
+        old = self._by_batch.get(batch)
+        self._by_batch[batch] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+
+class FrameLoop:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        queue: ActionQueue,
+        cfg: LoopConfig,
+        policy: LanguagePolicy | None = None,
+        clock=time.perf_counter,
+    ):
+        self.manager, self.queue, self.cfg = manager, queue, cfg
+        self.model = manager.model
+        self.policy = policy or LanguagePolicy(cfg)
+        self.clock = clock
+        self.cost = StepCost(cfg.cost_ema)
+        self.counters = LoopCounters()
+
+    def cycle(self, obs: Observation, frame: int, tick: int) -> CycleResult:
+        """Frame `frame`, observed at control tick `tick`: its chunk covers tick.. on."""
+        cfg, manager = self.cfg, self.manager
+        t0 = self.clock()
+        deadline = t0 + cfg.period_s
+
+        # (a) the one prefill of this observation
+        fp = manager.prefill_frame(frame, self.model.embed_prefix(obs))
+        t_prefill = self.clock()
+
+        # (b) the action expert reads the same slot: the hard deadline
+        noise = self.model.make_noise(cfg.seed + frame)
+        chunk = self.model.sample_actions(manager.arena, fp.slot, fp.prefix_len, noise)
+        chunk = chunk.float().cpu().numpy()
+        self.queue.push(chunk, tick)
+        t_action = self.clock()
+        self.counters.action_late += int(t_action > deadline)
+
+        # language tasks of this frame continue from the same prefix
+        for task in self.policy.tasks_for(frame):
+            suffix = self.model.tokenizer.encode(task.suffix, bos=False) if task.suffix else None
+            manager.create(fp, task.request_id, task.kind, task.max_new_tokens, suffix, task.optional)
+        manager.end_frame(fp)
+
+        # (c) batched decode for the time that is left
+        steps = self._decode_until(deadline)
+
+        # (d) text out; finished slots back to the arena
+        events = self._emit()
+        t_end = self.clock()
+        self.counters.cycles += 1
+        self.counters.overruns += int(t_end > deadline)
+        return CycleResult(
+            frame, chunk, fp.prefix_len, t_prefill - t0, t_action - t0, steps, t_end - t0, events
+        )
+
+    def _decode_until(self, deadline: float) -> int:
+        steps, cap = 0, self.cfg.max_decode_steps
+        while self.manager.live() and not (cap and steps >= cap):
+            batch = len(self.manager.live())
+            est = self.cost.estimate(batch)
+            left = deadline - self.clock() - self.cfg.decode_margin_s
+            # no estimate yet: risk one step only with more than half the period left
+            if left <= (est if est is not None else self.cfg.period_s / 2):
+                self.counters.decode_deferred += 1
+                break
+            t = self.clock()
+            self.manager.decode_step()
+            self.cost.update(batch, self.clock() - t)
+            steps += 1
+        return steps
+
+    def _emit(self) -> list[TextEvent]:
+        events = []
+        for req in list(self.manager.requests.values()):
+            if len(req.tokens) > req.emitted or req.done:
+                events.append(self._event(req))
+            if req.done:
+                self.manager.release(req)
+        return events
+
+    def _event(self, req: Request) -> TextEvent:
+        tok = self.model.tokenizer
+        new = tok.decode(req.tokens[req.emitted :])
+        req.emitted = len(req.tokens)
+        return TextEvent(
+            req.request_id, req.kind, req.frame, tok.decode(req.tokens), new, req.done, req.truncated
+        )
+
+    def warmup(self, obs: Observation) -> None:
+        """Run the cycle's work once without a deadline (first-call costs, and the decode
+        estimate before the first real deadline); leaves no request and no counts."""
+        m = self.manager
+        fp = m.prefill_frame(-1, self.model.embed_prefix(obs))
+        self.model.sample_actions(m.arena, fp.slot, fp.prefix_len, self.model.make_noise(0))
+        req = m.create(fp, "__warmup__", TaskKind.NARRATION, max_new_tokens=4)
+        for _ in range(3):
+            if req.done:
+                break
+            t = self.clock()
+            m.decode_step()
+            self.cost.update(1, self.clock() - t)
+        m.release(req)
+        m.counters = type(m.counters)()
+
+    def finish_all(self, max_steps: int = 100_000) -> list[TextEvent]:
+        """Decode every live request to its end without a deadline (shutdown, tests)."""
+        events = []
+        for _ in range(max_steps):
+            if not self.manager.live():
+                break
+            self.manager.decode_step()
+            events += self._emit()
+        return events + self._emit()

@@ -1,0 +1,204 @@
+"""The unified KV cache manager (OxyGen §3.2): one prefill per frame, shared by tasks.
+
+A frame's prefix is prefilled once into a slot. The action expert reads that slot;
+the first language request of the frame adopts it (zero copy), further requests of
+the same frame get a byte copy (`copy_slot`, no recompute). Live requests are
+retrieved as one batch, decoded in one packed step, updated and released.
+
+    frame t:  slot 3 = [prefix(t)]                 <- action expert reads rows [0, P)
+    narration of t adopts slot 3: [prefix(t) | tok tok tok ...]
+    answer of t gets slot 5 = copy of [prefix(t)] | question | tok tok ...
+
+Running out of slots is policy, never an exception on the hot path: a frame that
+finds no slot ends the oldest request early (`truncated`); a narration that finds
+none is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from embodied_kv.kv.arena import KVArena
+from embodied_kv.model.vla import VLA, Prefix, StepInput
+
+
+class TaskKind(enum.Enum):
+    NARRATION = "narration"
+    ANSWER = "answer"
+    PLAN = "plan"
+
+
+@dataclass
+class FramePrefix:
+    frame: int
+    slot: int
+    prefix_len: int
+    logits: torch.Tensor  # [V] after the prefix's last token
+    prompt_truncated: bool
+    adopted: bool = False  # a request owns the slot now
+
+
+@dataclass
+class Request:
+    """Generation state of one language request."""
+
+    request_id: str
+    kind: TaskKind
+    frame: int
+    slot: int
+    max_new_tokens: int
+    pending: list[int]  # ids fed in the next step (a question, or the last token)
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    emitted: int = 0  # tokens already reported as text
+    done: bool = False
+    truncated: bool = False  # ended early (slots, length limit), not by EOS or budget
+    generator: torch.Generator | None = None  # temperature sampling; None = greedy
+    temperature: float = 1.0
+
+
+@dataclass
+class ManagerCounters:
+    frames: int = 0
+    requests: int = 0
+    finished: int = 0
+    truncated: int = 0
+    narrations_skipped: int = 0  # no slot for an optional task
+    prompts_truncated: int = 0  # instruction longer than max_text_tokens
+    decode_steps: int = 0
+    tokens: int = 0
+
+
+class KVCacheManager:
+    def __init__(self, model: VLA, num_slots: int, max_len: int):
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: one frame slot plus one request slot at least")
+        self.model = model
+        self.arena: KVArena = model.new_arena(num_slots, max_len)
+        self.requests: dict[str, Request] = {}  # live, in creation order
+        self.counters = ManagerCounters()
+        self.eos_id = model.tokenizer.eos_id
+
+    # -- frames ----------------------------------------------------------------------
+
+    def prefill_frame(self, frame: int, prefix: Prefix) -> FramePrefix:
+        """The one prefill of a frame. Frees a slot by truncating the oldest request if
+        every slot is taken (the action deadline outranks language)."""
+        slot = self.arena.allocate()
+        if slot is None:
+            self.truncate(next(iter(self.requests.values())))
+            slot = self.arena.allocate()
+            assert slot is not None
+        self.counters.frames += 1
+        self.counters.prompts_truncated += int(prefix.prompt_truncated)
+        logits = self.model.prefill(self.arena, slot, prefix)
+        return FramePrefix(frame, slot, self.arena.slot_len(slot), logits, prefix.prompt_truncated)
+
+    def end_frame(self, fp: FramePrefix) -> None:
+        """Give the frame's slot back unless a request adopted it."""
+        if not fp.adopted:
+            self.arena.release(fp.slot)
+
+    # -- requests --------------------------------------------------------------------
+
+    def create(
+        self,
+        fp: FramePrefix,
+        request_id: str,
+        kind: TaskKind,
+        max_new_tokens: int,
+        suffix_ids: list[int] | None = None,
+        optional: bool = False,
+        generator: torch.Generator | None = None,
+        temperature: float = 1.0,
+    ) -> Request | None:
+        """A request continuing from the frame's prefix, plus `suffix_ids` (a question).
+
+        Returns None when it is `optional` and no slot is free (counted); a required
+        request ends the oldest live request early instead."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already live")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if fp.adopted:
+            slot = self._slot_for(optional)
+            if slot is None:
+                self.counters.narrations_skipped += 1
+                return None
+            self.arena.copy_slot(fp.slot, slot)
+        else:
+            slot, fp.adopted = fp.slot, True
+        room = self.arena.spec.max_len - fp.prefix_len - 1
+        suffix = list(suffix_ids or [])[: max(room - 1, 0)]
+        req = Request(request_id, kind, fp.frame, slot, min(max_new_tokens, room - len(suffix)), [])
+        req.generator, req.temperature = generator, temperature
+        if suffix:
+            req.pending = suffix
+        else:
+            self._accept(req, self._pick(req, fp.logits))
+        self.requests[request_id] = req
+        self.counters.requests += 1
+        return req
+
+    def _slot_for(self, optional: bool) -> int | None:
+        slot = self.arena.allocate()
+        if slot is None and not optional and self.requests:
+            self.truncate(next(iter(self.requests.values())))
+            slot = self.arena.allocate()
+        return slot
+
+    def live(self) -> list[Request]:
+        return [r for r in self.requests.values() if not r.done]
+
+    def batch(self) -> list[StepInput]:
+        """Every live request's pending ids as one packed step."""
+        return [StepInput(r.slot, ids=torch.tensor(r.pending)) for r in self.live()]
+
+    def decode_step(self) -> list[Request]:
+        """Decode one step for all live requests together; returns those that advanced."""
+        live = self.live()
+        if not live:
+            return []
+        logits = self.model.step(self.arena, self.batch())
+        for req, lg in zip(live, logits, strict=True):
+            self._accept(req, self._pick(req, lg))
+        self.counters.decode_steps += 1
+        return live
+
+    def _pick(self, req: Request, logits: torch.Tensor) -> int:
+        if req.generator is None:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float().cpu() / req.temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=req.generator))
+
+    def _accept(self, req: Request, token: int) -> None:
+        self.counters.tokens += 1
+        if token == self.eos_id:
+            self._finish(req)
+            return
+        req.tokens.append(token)
+        req.pending = [token]
+        if len(req.tokens) >= req.max_new_tokens:
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        req.done = True
+        req.pending = []
+        self.counters.finished += 1
+
+    def truncate(self, req: Request) -> None:
+        """End a request early and free its slot (its text so far stays)."""
+        if not req.done:
+            req.truncated = True
+            self.counters.truncated += 1
+            self._finish(req)
+        self.release(req)
+
+    def release(self, req: Request) -> None:
+        if self.requests.pop(req.request_id, None) is not None:
+            self.arena.release(req.slot)
+
+    def text(self, req: Request) -> str:
+        return self.model.tokenizer.decode(req.tokens)
