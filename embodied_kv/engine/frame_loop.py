@@ -60,7 +60,9 @@ class StepCost:
 
     def update(self, batch: int, seconds: float) -> None:
         old = self._by_batch.get(batch)
-        self._by_batch[batch] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        self._by_batch[batch] = (
+            seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        )
 
 
 class FrameLoop:
@@ -100,7 +102,9 @@ class FrameLoop:
         # language tasks of this frame continue from the same prefix
         for task in self.policy.tasks_for(frame):
             suffix = self.model.tokenizer.encode(task.suffix, bos=False) if task.suffix else None
-            manager.create(fp, task.request_id, task.kind, task.max_new_tokens, suffix, task.optional)
+            manager.create(
+                fp, task.request_id, task.kind, task.max_new_tokens, suffix, task.optional
+            )
         manager.end_frame(fp)
 
         # (c) batched decode for the time that is left
@@ -145,7 +149,13 @@ class FrameLoop:
         new = tok.decode(req.tokens[req.emitted :])
         req.emitted = len(req.tokens)
         return TextEvent(
-            req.request_id, req.kind, req.frame, tok.decode(req.tokens), new, req.done, req.truncated
+            req.request_id,
+            req.kind,
+            req.frame,
+            tok.decode(req.tokens),
+            new,
+            req.done,
+            req.truncated,
         )
 
     def warmup(self, obs: Observation) -> None:

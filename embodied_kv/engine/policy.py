@@ -55,13 +55,15 @@ class LanguagePolicy:
             self._asked.append(spec)
 
     def tasks_for(self, frame: int) -> list[TaskSpec]:
-        tasks = []
+        """Questions first (someone waits for them), then the optional narration."""
+        with self._lock:
+            tasks = list(self._asked)
+            self._asked.clear()
         n = self.cfg.narrate_every
         if n and frame % n == 0:
             tasks.append(
-                TaskSpec(f"narration-{frame}", TaskKind.NARRATION, "", self.cfg.narration_tokens, True)
+                TaskSpec(
+                    f"narration-{frame}", TaskKind.NARRATION, "", self.cfg.narration_tokens, True
+                )
             )
-        with self._lock:
-            tasks.extend(self._asked)
-            self._asked.clear()
         return tasks

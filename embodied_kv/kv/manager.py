@@ -48,7 +48,7 @@ class Request:
     request_id: str
     kind: TaskKind
     frame: int
-    slot: int
+    slot: int | None  # None once freed (finished early, kept only for its text)
     max_new_tokens: int
     pending: list[int]  # ids fed in the next step (a question, or the last token)
     tokens: list[int] = field(default_factory=list)  # generated so far
@@ -74,7 +74,9 @@ class ManagerCounters:
 class KVCacheManager:
     def __init__(self, model: VLA, num_slots: int, max_len: int):
         if num_slots < 2:
-            raise ValueError(f"num_slots={num_slots}: one frame slot plus one request slot at least")
+            raise ValueError(
+                f"num_slots={num_slots}: one frame slot plus one request slot at least"
+            )
         self.model = model
         self.arena: KVArena = model.new_arena(num_slots, max_len)
         self.requests: dict[str, Request] = {}  # live, in creation order
@@ -88,7 +90,7 @@ class KVCacheManager:
         every slot is taken (the action deadline outranks language)."""
         slot = self.arena.allocate()
         if slot is None:
-            self.truncate(next(iter(self.requests.values())))
+            self.truncate(self._oldest_holding_slot())
             slot = self.arena.allocate()
             assert slot is not None
         self.counters.frames += 1
@@ -144,10 +146,15 @@ class KVCacheManager:
 
     def _slot_for(self, optional: bool) -> int | None:
         slot = self.arena.allocate()
-        if slot is None and not optional and self.requests:
-            self.truncate(next(iter(self.requests.values())))
-            slot = self.arena.allocate()
+        if slot is None and not optional:
+            oldest = self._oldest_holding_slot()
+            if oldest is not None:
+                self.truncate(oldest)
+                slot = self.arena.allocate()
         return slot
+
+    def _oldest_holding_slot(self) -> Request | None:
+        return next((r for r in self.requests.values() if r.slot is not None), None)
 
     def live(self) -> list[Request]:
         return [r for r in self.requests.values() if not r.done]
@@ -189,16 +196,23 @@ class KVCacheManager:
         self.counters.finished += 1
 
     def truncate(self, req: Request) -> None:
-        """End a request early and free its slot (its text so far stays)."""
+        """End a request early and free its slot now; the record (and its text so far)
+        stays until `release`, so the consumer still sees the final event."""
         if not req.done:
             req.truncated = True
             self.counters.truncated += 1
             self._finish(req)
-        self.release(req)
+        self._free_slot(req)
 
     def release(self, req: Request) -> None:
+        """Forget a finished or abandoned request and free its slot if it holds one."""
         if self.requests.pop(req.request_id, None) is not None:
+            self._free_slot(req)
+
+    def _free_slot(self, req: Request) -> None:
+        if req.slot is not None:
             self.arena.release(req.slot)
+            req.slot = None
 
     def text(self, req: Request) -> str:
         return self.model.tokenizer.decode(req.tokens)
