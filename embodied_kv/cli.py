@@ -1,0 +1,99 @@
+"""`embodied-kv`: the command line.
+
+    embodied-kv demo [--seconds N] [--config PATH] [--preset NAME]
+    embodied-kv bench NAME [ARGS...]     # runs embodied_kv.bench.NAME.main(ARGS)
+
+Imports nothing from ROS until `demo` runs, so `bench` works without rclpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+DEFAULT_DEMO_SECONDS = 5.0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    try:
+        from embodied_kv.ros import container
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in ("rclpy", "yaml", "rcl_interfaces"):
+            raise
+        print(
+            f"embodied-kv demo: needs ROS 2 ({e.name} is not importable); "
+            "run `make demo`, which installs it into .venv, or source a ROS 2 install",
+            file=sys.stderr,
+        )
+        return 2
+    argv = ["--demo-seconds", str(args.seconds)]
+    if args.config:
+        argv += ["--config", args.config]
+    if args.preset:
+        argv += ["--preset", args.preset]
+    return container.main(argv)
+
+
+def available_benchmarks() -> list[str]:
+    import embodied_kv.bench
+
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(embodied_kv.bench.__path__)
+        if not m.name.startswith("_")
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    name = args.name.replace("-", "_")
+    module_name = f"embodied_kv.bench.{name}"
+    if not name.isidentifier():
+        print(f"embodied-kv bench: {args.name!r} is not a benchmark name", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        choices = ", ".join(available_benchmarks()) or "none yet"
+        print(
+            f"embodied-kv bench: no benchmark {args.name!r} (no module {module_name}); "
+            f"available: {choices}",
+            file=sys.stderr,
+        )
+        return 2
+    entry = getattr(module, "main", None)
+    if not callable(entry):
+        print(f"embodied-kv bench: {module_name} has no main(argv)", file=sys.stderr)
+        return 2
+    result = entry(list(args.args))
+    return 0 if result is None else int(result)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="embodied-kv", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="run the robot process for a bounded time")
+    demo.add_argument("--seconds", type=float, default=DEFAULT_DEMO_SECONDS)
+    demo.add_argument("--config", help="ROS 2 parameter file (default: config/robot.yaml)")
+    demo.add_argument("--preset", help="model preset; overrides the config file")
+    demo.set_defaults(run=run_demo)
+
+    bench = commands.add_parser("bench", help="run embodied_kv.bench.NAME")
+    bench.add_argument("name", help="benchmark module in embodied_kv/bench/")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark's main")
+    bench.set_defaults(run=run_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The robot process: the five lifecycle nodes of DESIGN §5 in one process.
+
+One process holds one engine (and later one GPU context); a MultiThreadedExecutor
+spins every node on a background thread while the main thread drives the
+lifecycle and waits. `ros2 run embodied_kv robot`, `ros2 launch embodied_kv
+robot.launch.py` and `embodied-kv demo` all end up in `main()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import rclpy
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import TransitionCallbackReturn
+from rclpy.parameter import Parameter
+from rclpy.signals import SignalHandlerOptions
+from rclpy.utilities import remove_ros_args
+
+from embodied_kv.ros.action_expert import ActionExpertNode
+from embodied_kv.ros.kv_manager import KvManagerNode
+from embodied_kv.ros.language_expert import LanguageExpertNode
+from embodied_kv.ros.lifecycle_node import EmbodiedNode
+from embodied_kv.ros.memory_planner import MemoryPlannerNode
+from embodied_kv.ros.params import RobotParams, default_config_path, load_params
+from embodied_kv.ros.prefill import PrefillNode
+
+# Creation order = configure order; the kv_manager comes first once it owns the arena.
+NODE_CLASSES: tuple[type[EmbodiedNode], ...] = (
+    KvManagerNode,
+    PrefillNode,
+    ActionExpertNode,
+    LanguageExpertNode,
+    MemoryPlannerNode,
+)
+CONTAINER_KEYS = ("autostart",)  # read by the container, not declared by nodes
+EXECUTOR_JOIN_TIMEOUT_S = 5.0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="robot", description="Run the embodied_kv lifecycle nodes in one process."
+    )
+    parser.add_argument("--config", help="ROS 2 parameter file (default: config/robot.yaml)")
+    parser.add_argument("--preset", default="", help="model preset; overrides the config file")
+    parser.add_argument(
+        "--autostart",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="configure + activate every node at start (default: the config's autostart)",
+    )
+    parser.add_argument(
+        "--demo-seconds",
+        type=float,
+        default=None,
+        help="exit after this many seconds (default: run until Ctrl-C)",
+    )
+    return parser.parse_args(list(argv))
+
+
+def make_nodes(params: RobotParams) -> list[EmbodiedNode]:
+    nodes = []
+    for cls in NODE_CLASSES:
+        values = params.for_node(cls.NAME)
+        overrides = [Parameter(k, value=v) for k, v in values.items() if k not in CONTAINER_KEYS]
+        nodes.append(cls(parameter_overrides=overrides))
+    return nodes
+
+
+def bring_up(nodes: Sequence[EmbodiedNode]) -> str | None:
+    """Configure, then activate, every node; None on success, else what failed."""
+    for step in ("configure", "activate"):
+        for node in nodes:
+            result = getattr(node, f"trigger_{step}")()
+            if result != TransitionCallbackReturn.SUCCESS:
+                return f"{step} of node {node.get_name()} returned {result.name}"
+    return None
+
+
+def bring_down(nodes: Sequence[EmbodiedNode]) -> None:
+    """Deactivate and clean up, in reverse order, whatever is still up."""
+    for node in reversed(nodes):
+        if node.active:
+            node.trigger_deactivate()
+        if node.configured:
+            node.trigger_cleanup()
+
+
+def _spin(executor: MultiThreadedExecutor) -> None:
+    try:
+        executor.spin()
+    except ExternalShutdownException:
+        pass
+
+
+def _wait(context: rclpy.context.Context, seconds: float | None) -> None:
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while context.ok() and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.05)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(remove_ros_args(["robot", *argv])[1:])
+    try:
+        params = load_params(args.config or default_config_path())
+    except ValueError as e:
+        print(f"robot: {e}", file=sys.stderr)
+        return 2
+    params = params.with_overrides(preset=args.preset or None)
+    autostart = params.common.get("autostart", True) if args.autostart is None else args.autostart
+
+    # Python's own SIGINT handling (KeyboardInterrupt in this thread) instead of
+    # rclpy's, which shuts the context down at once: the nodes then get a clean
+    # deactivate + cleanup (later: freeing GPU memory) before the context goes.
+    with rclpy.init(args=["robot", *argv], signal_handler_options=SignalHandlerOptions.NO) as init:
+        nodes = make_nodes(params)
+        executor = MultiThreadedExecutor(context=init.context)
+        for node in nodes:
+            executor.add_node(node)
+        spinner = threading.Thread(target=_spin, args=(executor,), name="ros-executor")
+        spinner.start()
+        status = 0
+        try:
+            if autostart:
+                failure = bring_up(nodes)
+                if failure is not None:
+                    print(f"robot: {failure}", file=sys.stderr)
+                    status = 1
+                else:
+                    names = ", ".join(node.get_name() for node in nodes)
+                    presets = sorted({str(node.preset) for node in nodes})
+                    print(
+                        f"embodied_kv: {len(nodes)} nodes configured and active "
+                        f"(preset={','.join(presets)}): {names}",
+                        flush=True,
+                    )
+            if status == 0:
+                _wait(init.context, args.demo_seconds)
+        except (KeyboardInterrupt, ExternalShutdownException):
+            pass
+        finally:
+            if init.context.ok():
+                bring_down(nodes)
+            executor.shutdown()
+            spinner.join(EXECUTOR_JOIN_TIMEOUT_S)
+            for node in nodes:
+                node.destroy_node()
+    if status == 0 and args.demo_seconds is not None:
+        print(f"embodied_kv: demo finished after {args.demo_seconds:g} s", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
