@@ -1,0 +1,39 @@
+# The README's two commands: `make demo` and `make test`. Both set up first
+# (scripts/setup.sh: .venv, pinned deps, msg/srv interfaces; fast when done).
+#
+# Python runs from .venv with the repo first on PYTHONPATH: the sources are
+# used in place, and embodied_kv/__init__.py joins them with the generated
+# embodied_kv.msg / embodied_kv.srv installed in the venv.
+
+SHELL := bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.embodied_kv-setup
+RUN := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY)
+DEMO_SECONDS ?= 5
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint pytest setup clean distclean
+
+demo: $(STAMP)
+	$(RUN) -m embodied_kv.cli demo --seconds $(DEMO_SECONDS)
+
+test: lint pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+pytest: $(STAMP)
+	$(RUN) -m pytest -q $(PYTEST_ARGS)
+
+setup: $(STAMP)
+
+$(STAMP): scripts/setup.sh requirements.lock CMakeLists.txt package.xml $(wildcard msg/*.msg srv/*.srv)
+	scripts/setup.sh
+	@touch $@
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache
+
+distclean: clean
+	rm -rf $(VENV)
