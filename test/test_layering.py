@@ -1,0 +1,49 @@
+"""DESIGN §2: only embodied_kv/ros (and test/ros) import rclpy or message types,
+and YAML is parsed only there (STYLE 4), so everything else runs without ROS."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROS_MODULES = {
+    "rclpy", "rcl_interfaces", "builtin_interfaces", "std_msgs", "std_srvs", "sensor_msgs",
+    "lifecycle_msgs", "trajectory_msgs", "diagnostic_msgs", "launch", "launch_ros",
+    "launch_pytest", "ament_index_python", "embodied_kv.msg", "embodied_kv.srv",
+}  # fmt: skip
+ROS_EDGE_ONLY = {"yaml"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def is_under(name: str, roots: set[str]) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in roots)
+
+
+def offenders(folder: str, edge: str, forbidden: set[str]) -> list[str]:
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        if (ROOT / edge) in path.parents:
+            continue
+        bad = sorted(n for n in imported_modules(path) if is_under(n, forbidden))
+        if bad:
+            found.append(f"{path.relative_to(ROOT)}: {', '.join(bad)}")
+    return found
+
+
+def test_package_imports_ros_only_in_ros_layer():
+    assert offenders("embodied_kv", "embodied_kv/ros", ROS_MODULES | ROS_EDGE_ONLY) == []
+
+
+def test_tests_import_ros_only_in_test_ros():
+    assert offenders("test", "test/ros", ROS_MODULES) == []
