@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -66,3 +67,23 @@ class ActionQueue:
             if self._chunk is None:
                 return 0
             return max(0, self.horizon - (tick - self._start))
+
+    # -- capsule section (kv.capsule.Stateful) ---------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        with self._lock:
+            out = {"last": torch.from_numpy(self._last.copy())}
+            if self._chunk is not None:
+                out["chunk"] = torch.from_numpy(self._chunk.copy())
+            return out
+
+    def state_meta(self) -> dict:
+        with self._lock:
+            return {"start": self._start, "counters": vars(self.counters).copy()}
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        with self._lock:
+            self._chunk = tensors["chunk"].cpu().numpy().copy() if "chunk" in tensors else None
+            self._last = tensors["last"].cpu().numpy().copy()
+            self._start = int(meta["start"])
+            self.counters = QueueCounters(**meta["counters"])

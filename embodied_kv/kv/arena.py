@@ -74,6 +74,15 @@ class KVArena:
         free = set(self._free)
         return [s for s in range(self.spec.num_slots) if s not in free]
 
+    def free_slots(self) -> list[int]:
+        return sorted(self._free)
+
+    def set_free_slots(self, slots: list[int]) -> None:
+        """Replace the free list (capsule restore); every other slot counts as in use."""
+        if len(set(slots)) != len(slots) or any(not 0 <= s < self.spec.num_slots for s in slots):
+            raise ValueError(f"bad free list {slots} for {self.spec.num_slots} slots")
+        self._free = sorted(slots)
+
     def allocate(self) -> int | None:
         """Take the lowest free slot, emptied; None when all are in use."""
         if not self._free:

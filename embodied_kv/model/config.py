@@ -79,7 +79,8 @@ class ModelConfig:
             e.head_dim,
         ):
             raise ValueError(
-                "backbone and expert share attention in every layer: layers/heads/kv_heads/head_dim "
+                "backbone and expert share attention in every layer: layers, heads, kv_heads, "
+                "head_dim "
                 f"must match, got {(b.layers, b.heads, b.kv_heads, b.head_dim)} vs "
                 f"{(e.layers, e.heads, e.kv_heads, e.head_dim)}"
             )

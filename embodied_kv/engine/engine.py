@@ -1,0 +1,274 @@
+"""The engine facade: one model, one KV manager, one action queue, one capsule store.
+
+This is what the ROS nodes, the demo and the benchmarks drive. Every verb takes the
+engine lock, so a service call never interleaves with a control cycle; the action
+queue has its own lock and is popped by the output path without waiting for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
+from embodied_kv.engine.policy import LoopConfig
+from embodied_kv.kv.capsule import capture, identity_of, restore
+from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
+from embodied_kv.kv.manager import KVCacheManager, TaskKind
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.vla import Observation, build_model
+
+EPISODE_START = "episode_start"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    preset: str = "tiny"
+    device: str = "cpu"
+    weights: str = ""  # own-layout or LeRobot pi0.5 safetensors; "" = random from the seed
+    tokenizer: str = ""  # pi05: path to the PaliGemma tokenizer
+    num_slots: int = 8  # arena slots: the frame in flight + live language requests
+    max_len: int = 512  # arena rows per slot
+    control_hz: float = 50.0  # action output rate
+    replan_every: int = 5  # actions per control cycle: a new chunk every this many ticks
+    blend: int = 2  # ticks over which an old and a new chunk are mixed
+    threads: int = 1  # torch CPU threads (bench/report.py: why one)
+    narrate_every: int = 0  # every Nth frame narrates (0: never)
+    narration_tokens: int = 32
+    answer_tokens: int = 48
+    max_decode_steps: int = 0  # per cycle; 0 = as many as fit before the deadline
+    seed: int = 0  # action noise of frame t: seed + t
+    history: int = 8  # automatic per-cycle boundaries kept for rollback by steps (0: off)
+    auto_episode_capsule: bool = True  # snapshot `episode_start` when an episode begins
+    store: StoreConfig = field(default_factory=StoreConfig)
+
+    def __post_init__(self):
+        if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0:
+            raise ValueError(f"bad engine config: {self}")
+
+    @property
+    def period_s(self) -> float:
+        return self.replan_every / self.control_hz
+
+
+@dataclass
+class EngineStatus:
+    frame: int
+    tick: int
+    live_requests: int
+    arena_slots_used: int
+    arena_bytes: int
+    capsule_bytes: dict[str, int]
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, model=None):
+        self.cfg = cfg
+        torch.set_num_threads(cfg.threads)
+        self.model = model or load_model(cfg)
+        c = self.model.cfg
+        self.lock = threading.RLock()
+        self.manager = KVCacheManager(self.model, cfg.num_slots, cfg.max_len)
+        self.queue = ActionQueue(c.action_horizon, c.action_dim, cfg.blend)
+        loop_cfg = LoopConfig(
+            period_s=cfg.period_s,
+            narrate_every=cfg.narrate_every,
+            narration_tokens=cfg.narration_tokens,
+            answer_tokens=cfg.answer_tokens,
+            max_decode_steps=cfg.max_decode_steps,
+            seed=cfg.seed,
+        )
+        self.loop = FrameLoop(self.manager, self.queue, loop_cfg)
+        self.store = CapsuleStore(cfg.store, self.model.device)
+        self.identity = identity_of(self.model, self.manager.arena)
+        self.frame = 0
+        self.instruction = ""
+        self.history: list[str] = []
+        self._obs: Observation | None = None
+
+    # -- inputs ----------------------------------------------------------------------
+
+    def observe(self, obs: Observation) -> None:
+        with self.lock:
+            self._obs = obs
+            self.instruction = obs.instruction
+
+    def ask(self, request_id: str, text: str, kind: TaskKind = TaskKind.ANSWER) -> None:
+        self.loop.policy.ask(request_id, text, kind)
+
+    # -- the control cycle -------------------------------------------------------------
+
+    def cycle(self, tick: int) -> CycleResult | None:
+        """One control cycle on the latest observation; None before the first one."""
+        with self.lock:
+            if self._obs is None:
+                return None
+            result = self.loop.cycle(self._obs, self.frame, tick)
+            self.frame += 1
+            if self.cfg.history:
+                self._record_boundary()
+            return result
+
+    def warmup(self) -> None:
+        with self.lock:
+            if self._obs is not None:
+                self.loop.warmup(self._obs)
+
+    # -- episodes and capsules ---------------------------------------------------------
+
+    def begin_episode(self) -> None:
+        """Empty every slot, request and queue; frame 0; snapshot `episode_start`."""
+        with self.lock:
+            for req in list(self.manager.requests.values()):
+                self.manager.release(req)
+            for s in self.manager.arena.in_use():
+                self.manager.arena.release(s)
+            self.manager.counters = type(self.manager.counters)()
+            self.queue.load_state(
+                {"last": torch.zeros(self.queue.action_dim, dtype=torch.float64)},
+                {"start": 0, "counters": {}},
+            )
+            self.frame = 0
+            for name in self.history:
+                if name in self.store:
+                    self.store.delete(name)
+            self.history.clear()
+            if self.cfg.auto_episode_capsule:
+                self.snapshot(EPISODE_START, "gpu", pin=True)
+
+    def sections(self) -> dict:
+        return {"queue": self.queue, "engine": self}
+
+    def snapshot(
+        self, name: str, tier: str = "gpu", pin: bool = False
+    ) -> tuple[CapsuleInfo, float]:
+        """Capture the whole boundary -> (info, elapsed ms)."""
+        with self.lock:
+            t = time.perf_counter()
+            cap = capture(
+                name,
+                self.manager.arena,
+                self.manager,
+                self.identity,
+                self.sections(),
+                {"instruction": self.instruction, "frame": self.frame},
+            )
+            info = self.store.put(cap, tier, pin)
+            return info, 1e3 * (time.perf_counter() - t)
+
+    def restore(self, name: str = EPISODE_START, kv_only: bool = False) -> float:
+        """Restore a capsule into the live state -> elapsed ms."""
+        with self.lock:
+            t = time.perf_counter()
+            cap = self.store.get(name)
+            restore(cap, self.manager.arena, self.manager, self.identity, self.sections(), kv_only)
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            return 1e3 * (time.perf_counter() - t)
+
+    def rollback(self, name: str = "", steps_back: int = 0) -> float:
+        """Restore a named capsule, or the boundary `steps_back` cycles before the last."""
+        with self.lock:
+            if name:
+                return self.restore(name)
+            if not 0 <= steps_back < len(self.history):
+                raise ValueError(
+                    f"steps_back={steps_back}: {len(self.history)} boundaries kept (history)"
+                )
+            ms = self.restore(self.history[-1 - steps_back])
+            for stale in self.history[len(self.history) - steps_back :]:
+                if stale in self.store:
+                    self.store.delete(stale)
+            del self.history[len(self.history) - steps_back :]
+            return ms
+
+    def fork(self, name: str, n: int) -> list[list[int]]:
+        """n independent copies of a capsule's slots in free slots -> slot ids per branch."""
+        with self.lock:
+            cap = self.store.get(name)
+            arena = self.manager.arena
+            slots = cap.meta["arena"]["slots"]
+            if n < 1 or n * len(slots) > arena.num_free:
+                raise ValueError(
+                    f"fork of {name!r} x{n} needs {n * len(slots)} free slots, "
+                    f"{arena.num_free} are free"
+                )
+            branches = []
+            for _ in range(n):
+                branch = []
+                for s in slots:
+                    d = arena.allocate()
+                    k = cap.tensors[f"kv.k.{s}"]
+                    arena.k[:, d, : k.shape[1]].copy_(k)
+                    arena.v[:, d, : k.shape[1]].copy_(cap.tensors[f"kv.v.{s}"])
+                    arena.length[:, d] = torch.tensor(cap.meta["arena"]["length"][str(s)])
+                    arena.next_pos[d] = cap.meta["arena"]["next_pos"][str(s)]
+                    branch.append(d)
+                branches.append(branch)
+            return branches
+
+    def _record_boundary(self) -> None:
+        name = f"auto-{self.frame}"
+        self.snapshot(name, "gpu")
+        self.history.append(name)
+        while len(self.history) > self.cfg.history:
+            old = self.history.pop(0)
+            if old in self.store:
+                self.store.delete(old)
+
+    # -- capsule section of the engine itself --------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def state_meta(self) -> dict:
+        return {
+            "frame": self.frame,
+            "instruction": self.instruction,
+            "loop": vars(self.loop.counters).copy(),
+        }
+
+    def load_state(self, tensors: dict, meta: dict) -> None:
+        self.frame = int(meta["frame"])
+        self.instruction = meta["instruction"]
+        self.loop.counters = type(self.loop.counters)(**meta["loop"])
+
+    def status(self, tick: int = 0) -> EngineStatus:
+        arena = self.manager.arena
+        return EngineStatus(
+            self.frame,
+            tick,
+            len(self.manager.live()),
+            len(arena.in_use()),
+            arena.spec.bytes,
+            self.store.bytes_by_tier(),
+        )
+
+
+def load_model(cfg: EngineConfig):
+    model = build_model(get_preset(cfg.preset), cfg.device, tokenizer_path=cfg.tokenizer or None)
+    if cfg.weights:
+        load_weights_file(model, cfg.weights)
+    return model
+
+
+def load_weights_file(model, path: str) -> None:
+    """The package's own layout when the file says so, else the public pi0.5 layout."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from embodied_kv.model.checkpoint import load_pi05_checkpoint
+    from embodied_kv.model.weights import FORMAT, load_weights
+
+    p = Path(path)
+    if p.is_file():
+        with safe_open(str(p), framework="pt") as f:
+            if (f.metadata() or {}).get("format") == FORMAT:
+                load_weights(model, p)
+                return
+    load_pi05_checkpoint(model, p)
