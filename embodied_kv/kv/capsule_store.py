@@ -13,6 +13,7 @@ format, the sha256 and the digest. No pickle anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -76,7 +77,7 @@ class CapsuleStore:
             )
         if capsule.name in self._caps:
             self.delete(capsule.name)
-        capsule.pinned = pin
+        capsule = dataclasses.replace(capsule, tensors=dict(capsule.tensors), pinned=pin)
         self._touch(capsule)
         self._place(capsule, tier)
         return self.info(capsule.name)
