@@ -89,7 +89,7 @@ def measure(model, length: int, repeats: int, sync, disk_dir: str) -> dict:
         sync()
         row[f"snapshot_{tier}_ms"] = snap_ms + 1e3 * (time.perf_counter() - t)
 
-        def restore_from(tier=tier):
+        def restore_from(tier=tier, cap=cap):
             c = store.get(f"p{length}") if tier == "gpu" else reload(store, cap, tier)
             restore(c, arena, None, ident)
 
