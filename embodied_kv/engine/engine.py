@@ -15,6 +15,7 @@ import torch
 
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
+from embodied_kv.engine.graphs import GraphRunner
 from embodied_kv.engine.policy import LoopConfig
 from embodied_kv.kv.capsule import capture, identity_of, restore
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
@@ -44,6 +45,7 @@ class EngineConfig:
     seed: int = 0  # action noise of frame t: seed + t
     history: int = 8  # automatic per-cycle boundaries kept for rollback by steps (0: off)
     auto_episode_capsule: bool = True  # snapshot `episode_start` when an episode begins
+    cuda_graphs: bool = True  # capture decode / prefill / denoise graphs on CUDA
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self):
@@ -84,6 +86,10 @@ class Engine:
         )
         self.loop = FrameLoop(self.manager, self.queue, loop_cfg)
         self.store = CapsuleStore(cfg.store, self.model.device)
+        self.graphs = None
+        if cfg.cuda_graphs and self.model.device.type == "cuda":
+            self.graphs = GraphRunner(self.model, self.manager.arena)
+            self.model.graphs = self.graphs
         self.identity = identity_of(self.model, self.manager.arena)
         self.frame = 0
         self.instruction = ""
@@ -114,7 +120,10 @@ class Engine:
             return result
 
     def warmup(self) -> None:
+        """Capture the CUDA graphs (on CUDA) and run one cycle's work without a deadline."""
         with self.lock:
+            if self.graphs is not None:
+                self.graphs.capture_steps()
             if self._obs is not None:
                 self.loop.warmup(self._obs)
 

@@ -45,8 +45,11 @@ class PackedStep:
         return int(self.slot.shape[0])
 
 
-def plan_step(arena: KVArena, segments: list[Segment] | tuple[Segment, ...]) -> PackedStep:
-    """Lay out a step; ValueError if a slot is repeated, unknown or would overflow."""
+def plan_step(
+    arena: KVArena, segments: list[Segment] | tuple[Segment, ...], pad_to: int = 0
+) -> PackedStep:
+    """Lay out a step, padded to `pad_to` tokens (a graph's bucket) or the next ROW_BUCKET
+    multiple; ValueError if a slot is repeated, unknown or would overflow."""
     if not segments:
         raise ValueError("a packed step needs at least one segment")
     spec = arena.spec
@@ -61,7 +64,11 @@ def plan_step(arena: KVArena, segments: list[Segment] | tuple[Segment, ...]) -> 
                 f"max_len={spec.max_len}"
             )
     n_real = sum(s.n for s in segments)
-    n_pad = bucket(n_real)
+    n_pad = max(bucket(n_real), pad_to)
+    if n_pad - n_real > spec.max_len:
+        raise ValueError(
+            f"padding {n_pad - n_real} tokens exceeds the scratch slot ({spec.max_len})"
+        )
     L = spec.num_layers
     slot = torch.empty(n_pad, dtype=torch.int64)
     position = torch.empty(n_pad, dtype=torch.int64)

@@ -49,21 +49,32 @@ class ActionExpert(nn.Module):
         return F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(emb))))[0]
 
     def velocity(
-        self, x_t: torch.Tensor, t: torch.Tensor, arena: KVArena, slot: int, prefix_len: int
+        self,
+        x_t: torch.Tensor,
+        t: torch.Tensor,
+        arena: KVArena,
+        slot: int,
+        prefix_len: int | torch.Tensor,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """x_t [H, A] at flow time t -> velocity [H, A]."""
+        """x_t [H, A] at flow time t -> velocity [H, A].
+
+        `rows`: read arena rows [0, rows) and mask those >= prefix_len (a 0-d device
+        tensor), so one CUDA graph serves every prefix length up to `rows`."""
         h_len = x_t.shape[0]
         cond = self.time_cond(t)
-        position = torch.arange(prefix_len, prefix_len + h_len, device=x_t.device)
+        position = prefix_len + torch.arange(h_len, device=x_t.device)
+        n_rows = prefix_len if rows is None else rows
+        valid = None if rows is None else torch.arange(rows, device=x_t.device) < prefix_len
         h = self.action_in_proj(x_t)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             xn, gate = layer.input_layernorm(h, cond)
             q, k, v = attn.qkv(xn)
             q, k = self.rope(q, position), self.rope(k, position)
-            kp = arena.k[i, slot, :prefix_len]  # [P, Hkv, D], a view
-            vp = arena.v[i, slot, :prefix_len]
-            o = prefix_suffix_attention(q, kp, vp, k, v, self.scale)
+            kp = arena.k[i, slot, :n_rows]  # [P, Hkv, D], a view
+            vp = arena.v[i, slot, :n_rows]
+            o = prefix_suffix_attention(q, kp, vp, k, v, self.scale, valid)
             h = h + attn.o_proj(o.reshape(h_len, -1)) * gate
             xn, gate = layer.post_attention_layernorm(h, cond)
             h = h + layer.mlp(xn) * gate
@@ -72,28 +83,39 @@ class ActionExpert(nn.Module):
 
     @torch.no_grad()
     def sample(
-        self, arena: KVArena, slot: int, prefix_len: int, noise: torch.Tensor
+        self,
+        arena: KVArena,
+        slot: int,
+        prefix_len: int | torch.Tensor,
+        noise: torch.Tensor,
+        rows: int | None = None,
     ) -> torch.Tensor:
-        """Euler integration from t=1 (noise [H, A]) to t=0 -> action chunk [H, A]."""
+        """Euler integration from t=1 (noise [H, A]) to t=0 -> action chunk [H, A].
+
+        No host-device copies inside, so engine/graphs.py can capture it whole."""
         steps = self.cfg.denoise_steps
         dt = -1.0 / steps
         x = noise.to(self.action_in_proj.weight.dtype)
+        # t_k = 1 + k dt in float64, as the Python float would be, then fp32
+        times = (1.0 + torch.arange(steps, dtype=torch.float64, device=x.device) * dt).float()
         for k in range(steps):
-            t = torch.tensor(1.0 + k * dt, device=x.device)
-            x = x + dt * self.velocity(x, t, arena, slot, prefix_len)
+            x = x + dt * self.velocity(x, times[k], arena, slot, prefix_len, rows)
         return x
 
 
-def prefix_suffix_attention(q, kp, vp, ks, vs, scale: float) -> torch.Tensor:
+def prefix_suffix_attention(q, kp, vp, ks, vs, scale: float, valid=None) -> torch.Tensor:
     """Joint softmax over prefix rows and suffix tokens, without concatenating the
     prefix (LeRobot copies it every step; here it is read in place).
 
-    q [H, Hq, D]; kp, vp [P, Hkv, D]; ks, vs [H, Hkv, D] -> [H, Hq, D] in q.dtype."""
+    q [H, Hq, D]; kp, vp [P, Hkv, D]; ks, vs [H, Hkv, D]; valid [P] bool or None
+    -> [H, Hq, D] in q.dtype."""
     h_len, hq, d = q.shape
     hkv = kp.shape[1]
     g = hq // hkv
     qf = q.float().view(h_len, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, h_len * g, d)
     sp = torch.matmul(qf, kp.float().permute(1, 2, 0)) * scale  # [Hkv, H*g, P]
+    if valid is not None:
+        sp = sp.masked_fill(~valid, float("-inf"))
     ss = torch.matmul(qf, ks.float().permute(1, 2, 0)) * scale  # [Hkv, H*g, H]
     p = torch.softmax(torch.cat([sp, ss], dim=-1), dim=-1)
     n_p = kp.shape[0]

@@ -64,6 +64,7 @@ class VLA(nn.Module):
         self.backbone = GemmaBackbone(cfg.backbone, cfg.vocab_size, max_pos)
         self.expert = ActionExpert(cfg, max_pos)
         self.tokenizer = make_tokenizer(cfg.tokenizer, tokenizer_path)
+        self.graphs = None  # engine.graphs.GraphRunner over one arena, set on CUDA
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} ids > vocab {cfg.vocab_size}"
@@ -121,11 +122,22 @@ class VLA(nn.Module):
 
     @torch.no_grad()
     def step(self, arena: KVArena, inputs: list[StepInput]) -> torch.Tensor:
-        """Run one packed step; returns fp32 logits [len(inputs), V] at each input's last token."""
+        """Run one packed step; returns fp32 logits [len(inputs), V] at each input's last token.
+
+        Replays a CUDA graph when engine/graphs.py captured one for this arena and size."""
+        if self.graphs is not None and self.graphs.arena is arena:
+            logits = self.graphs.step(inputs)
+            if logits is not None:
+                return logits
         segments = [Segment(i.slot, i.n, i.causal) for i in inputs]
         plan = plan_step(arena, segments)
-        w = self.cfg.backbone.width
-        x = torch.zeros(plan.n_padded, w, device=self.device, dtype=self.dtype)
+        hidden = self.backbone(self.embed_inputs(inputs, plan.n_padded), plan, arena)
+        commit_step(arena, plan)
+        return self.backbone.logits(hidden, plan.last)
+
+    def embed_inputs(self, inputs: list[StepInput], n_padded: int) -> torch.Tensor:
+        """The step's token embeddings laid out flat, zero rows as padding -> [n_padded, W]."""
+        x = torch.zeros(n_padded, self.cfg.backbone.width, device=self.device, dtype=self.dtype)
         start = 0
         for inp in inputs:
             e = (
@@ -135,9 +147,7 @@ class VLA(nn.Module):
             )
             x[start : start + inp.n] = e.to(self.dtype)
             start += inp.n
-        hidden = self.backbone(x, plan, arena)
-        commit_step(arena, plan)
-        return self.backbone.logits(hidden, plan.last)
+        return x
 
     def prefill(self, arena: KVArena, slot: int, prefix: Prefix) -> torch.Tensor:
         """Bidirectional prefix into an empty slot -> logits [V] of its last token."""
