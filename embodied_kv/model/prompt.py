@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +46,18 @@ class GemmaTokenizer:
 
 
 def make_tokenizer(kind: str, path: str | Path | None = None):
+    """`gemma` without a path falls back to bytes (random-weight speed runs of pi05:
+    the ids are valid, the text is not language) and says so."""
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "gemma":
         if path is None:
-            raise ValueError("the gemma tokenizer needs a path (tokenizer.model / tokenizer.json)")
+            warnings.warn(
+                "no tokenizer path for the gemma tokenizer: using byte ids (fine for random "
+                "weights; give the PaliGemma tokenizer for a real checkpoint)",
+                stacklevel=2,
+            )
+            return ByteTokenizer()
         return GemmaTokenizer(path)
     raise ValueError(f"unknown tokenizer {kind!r}; use 'bytes' or 'gemma'")
 
