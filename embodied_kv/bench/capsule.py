@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ekv-capsules-") as disk:
         rows = [measure(model, n, repeats, sync, disk) for n in lengths]
     result = {
-        "bench": "capsule",
+        "benchmark": "capsule",
         "device": device_name(a.device),
         "preset": a.preset,
         "quick": a.quick,

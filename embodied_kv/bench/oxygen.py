@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(model, n, k, frames, warmup, sync) for k in inflight for n in lengths]
     head = max(rows, key=lambda r: (r["tokens"], r["inflight"]))
     result = {
-        "bench": "oxygen",
+        "benchmark": "oxygen",
         "device": device_name(a.device),
         "preset": a.preset,
         "quick": a.quick,
