@@ -26,6 +26,8 @@ from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
 from embodied_kv.model.vision import VisionEncoder
 
+MAX_POSITIONS = 32_768  # RoPE table rows (fp32, 2 x 16 MiB at pi05); bounds arena max_len
+
 
 @dataclass
 class Observation:
@@ -83,6 +85,8 @@ class VLA(nn.Module):
         return ArenaSpec(b.layers, num_slots, max_len, b.kv_heads, b.head_dim, self.dtype)
 
     def new_arena(self, num_slots: int, max_len: int) -> KVArena:
+        if max_len + self.cfg.action_horizon > self.max_pos:
+            raise ValueError(f"max_len={max_len} + action horizon exceeds {self.max_pos} positions")
         return KVArena(self.arena_spec(num_slots, max_len), self.device)
 
     # -- inputs -------------------------------------------------------------------------
