@@ -61,7 +61,7 @@ class VLA(nn.Module):
     def __init__(self, cfg: ModelConfig, tokenizer_path: str | None = None):
         super().__init__()
         self.cfg = cfg
-        max_pos = 4 * cfg.prefix_tokens_max + 4096  # prefix + language + action suffix
+        self.max_pos = max_pos = MAX_POSITIONS
         self.vision = VisionEncoder(cfg.vision, cfg.backbone.width)
         self.backbone = GemmaBackbone(cfg.backbone, cfg.vocab_size, max_pos)
         self.expert = ActionExpert(cfg, max_pos)
