@@ -14,7 +14,7 @@ def test_capsule_quick_is_token_exact_and_faster_than_cold(tmp_path):
             "cold_ms",
             "restore_ms",
             "speedup",
-            "snapshot_gpu_ms",
+            "snapshot_ms",
             "bytes",
             "token_exact",
         ):
