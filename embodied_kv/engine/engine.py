@@ -223,6 +223,8 @@ class Engine:
     def _record_boundary(self) -> None:
         name = f"auto-{self.frame}"
         self.snapshot(name, "gpu")
+        if name in self.history:  # after a rollback the frame numbers come round again
+            self.history.remove(name)
         self.history.append(name)
         while len(self.history) > self.cfg.history:
             old = self.history.pop(0)
