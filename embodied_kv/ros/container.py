@@ -1,27 +1,31 @@
 """The robot process: the five lifecycle nodes of DESIGN §5 in one process.
 
-One process holds one engine (and later one GPU context); a MultiThreadedExecutor
-spins every node on a background thread while the main thread drives the
-lifecycle and waits. `ros2 run embodied_kv robot`, `ros2 launch embodied_kv
-robot.launch.py` and `embodied-kv demo` all end up in `main()`.
+One process holds one engine (one GPU context), shared by the nodes through an
+EngineHost; a SingleThreadedExecutor spins every node on a background thread while
+the main thread drives the lifecycle and waits. The engine's cycle and the action
+output run on threads of their own (cycle_thread.py, action_output.py), never in
+an executor callback. `ros2 run embodied_kv robot`, `ros2 launch embodied_kv
+robot.launch.py` and `make demo` (which starts this as its robot) all run `main()`.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 
 import rclpy
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.parameter import Parameter
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
 from embodied_kv.ros.action_expert import ActionExpertNode
+from embodied_kv.ros.engine_host import EngineHost
 from embodied_kv.ros.kv_manager import KvManagerNode
 from embodied_kv.ros.language_expert import LanguageExpertNode
 from embodied_kv.ros.lifecycle_node import EmbodiedNode
@@ -62,13 +66,29 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def make_nodes(params: RobotParams) -> list[EmbodiedNode]:
+def make_nodes(params: RobotParams, host: EngineHost) -> list[EmbodiedNode]:
     nodes = []
     for cls in NODE_CLASSES:
         values = params.for_node(cls.NAME)
         overrides = [Parameter(k, value=v) for k, v in values.items() if k not in CONTAINER_KEYS]
-        nodes.append(cls(parameter_overrides=overrides))
+        nodes.append(cls(host=host, parameter_overrides=overrides))
     return nodes
+
+
+def unknown_parameters(params: RobotParams, nodes: Sequence[EmbodiedNode]) -> list[str]:
+    """Config keys that no node declares (typos would otherwise be silently ignored)."""
+    keys = set(params.common) | {k for section in params.per_node.values() for k in section}
+    return sorted(
+        k for k in keys - set(CONTAINER_KEYS) if not any(n.has_parameter(k) for n in nodes)
+    )
+
+
+def _progress(line: str) -> None:
+    print(f"embodied_kv: {line}", flush=True)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (e.g. from launch after SIGINT) shuts down cleanly too
 
 
 def bring_up(nodes: Sequence[EmbodiedNode]) -> str | None:
@@ -90,7 +110,7 @@ def bring_down(nodes: Sequence[EmbodiedNode]) -> None:
             node.trigger_cleanup()
 
 
-def _spin(executor: MultiThreadedExecutor) -> None:
+def _spin(executor: SingleThreadedExecutor) -> None:
     try:
         executor.spin()
     except ExternalShutdownException:
@@ -118,8 +138,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     # rclpy's, which shuts the context down at once: the nodes then get a clean
     # deactivate + cleanup (later: freeing GPU memory) before the context goes.
     with rclpy.init(args=["robot", *argv], signal_handler_options=SignalHandlerOptions.NO) as init:
-        nodes = make_nodes(params)
-        executor = MultiThreadedExecutor(context=init.context)
+        # Stop cleanly on SIGINT even where the parent ignores it (a shell's background
+        # job), and on SIGTERM (launch escalates to it).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            nodes = make_nodes(params, EngineHost(progress=_progress))
+        except Exception as e:  # e.g. a parameter of the wrong type in the config file
+            print(f"robot: {params.path}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        for key in unknown_parameters(params, nodes):
+            print(f"robot: warning: no node declares parameter {key!r} ({params.path})",
+                  file=sys.stderr)  # fmt: skip
+        # Single-threaded on purpose: rclpy's MultiThreadedExecutor busy-spins while a
+        # ready callback waits for its callback group (measured: 88% of a core beside
+        # a camera callback), which starved the engine and the output thread.
+        executor = SingleThreadedExecutor(context=init.context)
         for node in nodes:
             executor.add_node(node)
         spinner = threading.Thread(target=_spin, args=(executor,), name="ros-executor")
@@ -127,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = 0
         try:
             if autostart:
+                _progress(f"configuring {len(nodes)} nodes ({params.path}) ...")
                 failure = bring_up(nodes)
                 if failure is not None:
                     print(f"robot: {failure}", file=sys.stderr)

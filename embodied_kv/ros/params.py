@@ -57,10 +57,23 @@ def load_params(path: str | Path) -> RobotParams:
             raise ValueError(f"config {path}: section {key!r} has no ros__parameters mapping")
         name = str(key).lstrip("/")
         if key == WILDCARD:
-            common.update(values)
+            common.update(flatten(values))
         else:
-            per_node[name] = dict(values)
+            per_node[name] = flatten(values)
     return RobotParams(path, common, per_node)
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings become dotted names, as ROS 2 parameter files define them:
+    `capsules: {gpu_bytes: 1}` is the parameter `capsules.gpu_bytes`."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
 
 
 def default_config_path() -> Path:

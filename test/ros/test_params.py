@@ -1,19 +1,48 @@
-"""config/*.yaml parsing (plain YAML: runs without rclpy)."""
+"""config/*.yaml parsing and the engine parameters (plain YAML: runs without rclpy)."""
 
 from __future__ import annotations
 
 import pytest
 
+from embodied_kv.ros.engine_params import ENGINE_PARAMS, engine_config
 from embodied_kv.ros.params import default_config_path, load_params
 
 
-def test_shipped_config_is_the_tiny_preset():
+def test_shipped_config_is_the_tiny_preset_at_50_hz_and_makes_an_engine_config():
     params = load_params(default_config_path())
-    assert params.for_node("prefill") == {
-        "preset": "tiny",
-        "control_rate_hz": 50.0,
-        "autostart": True,
-    }
+    prefill = params.for_node("prefill")
+    assert (prefill["preset"], prefill["control_rate_hz"], prefill["autostart"]) == (
+        "tiny",
+        50.0,
+        True,
+    )
+    assert prefill["cameras"] == ["front", "wrist"]
+    assert len(params.for_node("action_expert")["joint_names"]) == 8  # tiny: action_dim
+    defaults = {spec.name: spec.default for spec in ENGINE_PARAMS}
+    cfg = engine_config(lambda name: params.for_node("kv_manager").get(name, defaults[name]))
+    assert (cfg.preset, cfg.control_hz, cfg.replan_every, cfg.threads) == ("tiny", 50.0, 5, 1)
+    assert cfg.store.disk_dir.endswith("embodied_kv/capsules") and "~" not in cfg.store.disk_dir
+
+
+def test_nested_mappings_are_dotted_parameter_names(tmp_path):
+    path = tmp_path / "robot.yaml"
+    path.write_text("/**:\n  ros__parameters:\n    arena: {num_slots: 4, max_len: 64}\n")
+    assert load_params(path).for_node("prefill") == {"arena.num_slots": 4, "arena.max_len": 64}
+
+
+@pytest.mark.parametrize(
+    "name,value,complaint",
+    [
+        ("control_rate_hz", 0, "control_rate_hz=0.0 must be > 0"),
+        ("arena.num_slots", 2.5, "must be an integer"),
+        ("preset", "", "preset is empty"),
+        ("cuda_graphs", "yes", "must be true or false"),
+    ],
+)
+def test_bad_engine_parameters_are_value_errors_naming_them(name, value, complaint):
+    values = {spec.name: spec.default for spec in ENGINE_PARAMS} | {name: value}
+    with pytest.raises(ValueError, match=complaint):
+        engine_config(values.__getitem__)
 
 
 def test_node_section_overrides_wildcard_and_cli_overrides_both(tmp_path):

@@ -1,0 +1,107 @@
+"""The engine's control cycle on its own thread, not in an rclpy callback.
+
+Cycle n starts at control tick n * replan_every (ControlClock): it hands the latest
+observation to the engine, runs `engine.cycle(tick)` (one prefill, the action chunk
+into the queue, batched language decode until the cycle's deadline) and passes the
+result to the nodes (chunk and text topics). A cycle that starts late is stamped
+with the tick it really started at, so the ActionQueue places its chunk correctly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from embodied_kv.engine.engine import Engine
+from embodied_kv.engine.frame_loop import CycleResult
+from embodied_kv.model.vla import Observation
+from embodied_kv.ros.action_output import ControlClock
+
+TOKENS_WINDOW = 30  # cycles over which tokens/s is reported
+
+
+@dataclass
+class CycleCounters:
+    cycles: int = 0
+    no_observation: int = 0  # cycle times skipped: no camera image received yet
+    late_starts: int = 0  # cycles that started after their tick (the previous one overran)
+    errors: int = 0  # exceptions in a cycle (logged; the next cycle runs as usual)
+    tokens: int = 0  # language tokens decoded
+
+
+class CycleThread:
+    def __init__(
+        self,
+        engine: Engine,
+        clock: ControlClock,
+        observation: Callable[[], Observation | None],
+        dispatch: Callable[[CycleResult, int], None],
+        log_error: Callable[[str], None],
+    ):
+        self.engine, self.clock = engine, clock
+        self.every = engine.cfg.replan_every
+        self._observation, self._dispatch, self._log_error = observation, dispatch, log_error
+        self.counters = CycleCounters()
+        self._recent: deque[tuple[float, int]] = deque(maxlen=TOKENS_WINDOW)  # (end s, tokens)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="engine-cycle", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the cycle in progress (at most one period plus its overrun)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+
+    def _run(self) -> None:
+        clock, every = self.clock, self.every
+        tick = (clock.now() // every + 1) * every
+        while True:
+            if self._stop.wait(max(clock.time_of(tick) - time.monotonic(), 0.0)):
+                return
+            start = max(tick, clock.now())
+            self.counters.late_starts += int(start > tick)
+            tick = start + every
+            obs = self._observation()
+            if obs is None:
+                self.counters.no_observation += 1
+                continue
+            try:
+                self._cycle(obs, start)
+            except Exception as e:  # logged; the action output keeps going on the queue
+                self.counters.errors += 1
+                self._log_error(f"engine cycle at tick {start}: {type(e).__name__}: {e}")
+
+    def _cycle(self, obs: Observation, tick: int) -> None:
+        engine = self.engine
+        before = engine.manager.counters.tokens
+        engine.observe(obs)
+        result = engine.cycle(tick)
+        if result is None:
+            return
+        tokens = max(0, engine.manager.counters.tokens - before)  # < 0 across a restore
+        self.counters.cycles += 1
+        self.counters.tokens += tokens
+        self._recent.append((time.monotonic(), tokens))
+        self._dispatch(result, tick)
+
+    def tokens_per_s(self) -> float:
+        recent = list(self._recent)
+        if len(recent) < 2:
+            return 0.0
+        span = recent[-1][0] - recent[0][0]
+        return sum(n for _, n in recent[1:]) / span if span > 0 else 0.0

@@ -1,0 +1,128 @@
+"""The engine's parameters: declared on every node, read into one EngineConfig.
+
+They belong in the `/**` section of config/robot.yaml: the one engine of the process
+is built from the parameters of the first node that configures, and a node whose
+values differ refuses to configure (EngineHost.acquire says which differ). Numbers
+may be written as ints or floats; they are checked here, not by rclpy's types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from embodied_kv.engine.engine import EngineConfig
+from embodied_kv.kv.capsule_store import StoreConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str  # ROS parameter name; dotted = a nested mapping in the YAML
+    default: Any
+    description: str
+
+
+ENGINE_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("preset", "tiny", "model preset (DESIGN §6): tiny | pi05"),
+    ParamSpec("device", "auto", "torch device: auto (cuda when present, else cpu) | cpu | cuda:N"),
+    ParamSpec("weights", "", "safetensors checkpoint (own or LeRobot pi0.5 layout); '' = random"),
+    ParamSpec("tokenizer", "", "pi05: path to the PaliGemma tokenizer; '' = byte ids"),
+    ParamSpec("control_rate_hz", 50.0, "action output rate (Hz)"),
+    ParamSpec("replan_every", 5, "control ticks per engine cycle: a new chunk every N actions"),
+    ParamSpec("blend", 2, "ticks over which the old and the new chunk are mixed"),
+    ParamSpec("seed", 0, "random weights; action noise of frame t is drawn with seed + t"),
+    ParamSpec("torch_threads", 1, "torch CPU threads (1: see README, Real time)"),
+    ParamSpec("cuda_graphs", True, "capture decode / prefill / denoise graphs on CUDA"),
+    ParamSpec("arena.num_slots", 8, "KV arena slots: the frame in flight + live requests"),
+    ParamSpec("arena.max_len", 512, "KV arena rows per slot (tokens)"),
+    ParamSpec("language.narrate_every", 10, "every Nth frame narrates (0: never)"),
+    ParamSpec("language.narration_tokens", 32, "token budget of a narration"),
+    ParamSpec("language.answer_tokens", 48, "token budget of an answer or a plan"),
+    ParamSpec("language.max_decode_steps", 0, "decode steps per cycle; 0 = until the deadline"),
+    ParamSpec("capsules.gpu_bytes", 512 << 20, "capsule budget of the device tier (B)"),
+    ParamSpec("capsules.host_bytes", 2 << 30, "capsule budget of the host tier (B)"),
+    ParamSpec("capsules.disk_bytes", 16 << 30, "capsule budget of the disk tier (B)"),
+    ParamSpec("capsules.disk_dir", "", "folder of the disk tier ('' = no disk tier; ~ expands)"),
+    ParamSpec("capsules.history", 8, "per-cycle boundaries kept for rollback by steps"),
+)
+
+
+def engine_config(get: Callable[[str], Any]) -> EngineConfig:
+    """EngineConfig from parameter values (`get(name)`); ValueError naming the parameter."""
+    store = StoreConfig(
+        gpu_bytes=_int(get, "capsules.gpu_bytes"),
+        host_bytes=_int(get, "capsules.host_bytes"),
+        disk_bytes=_int(get, "capsules.disk_bytes"),
+        disk_dir=str(Path(_str(get, "capsules.disk_dir")).expanduser())
+        if _str(get, "capsules.disk_dir")
+        else "",
+    )
+    preset = _str(get, "preset")
+    if not preset:
+        raise ValueError("parameter preset is empty")
+    rate = _float(get, "control_rate_hz")
+    if rate <= 0:
+        raise ValueError(f"control_rate_hz={rate} must be > 0")
+    threads = _int(get, "torch_threads")
+    if threads < 1:
+        raise ValueError(f"torch_threads={threads} must be >= 1")
+    return EngineConfig(
+        preset=preset,
+        device=resolve_device(_str(get, "device")),
+        weights=_str(get, "weights"),
+        tokenizer=_str(get, "tokenizer"),
+        num_slots=_int(get, "arena.num_slots"),
+        max_len=_int(get, "arena.max_len"),
+        control_hz=rate,
+        replan_every=_int(get, "replan_every"),
+        blend=_int(get, "blend"),
+        threads=threads,
+        narrate_every=_int(get, "language.narrate_every"),
+        narration_tokens=_int(get, "language.narration_tokens"),
+        answer_tokens=_int(get, "language.answer_tokens"),
+        max_decode_steps=_int(get, "language.max_decode_steps"),
+        seed=_int(get, "seed"),
+        history=_int(get, "capsules.history"),
+        cuda_graphs=_bool(get, "cuda_graphs"),
+        store=store,
+    )
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: torch sees no CUDA device here")
+    return device
+
+
+def _int(get, name: str) -> int:
+    value = get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ValueError(f"parameter {name}={value!r} must be an integer")
+    return int(value)
+
+
+def _float(get, name: str) -> float:
+    value = get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"parameter {name}={value!r} must be a number")
+    return float(value)
+
+
+def _str(get, name: str) -> str:
+    value = get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"parameter {name}={value!r} must be a string")
+    return value
+
+
+def _bool(get, name: str) -> bool:
+    value = get(name)
+    if not isinstance(value, bool):
+        raise ValueError(f"parameter {name}={value!r} must be true or false")
+    return value

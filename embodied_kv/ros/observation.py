@@ -1,0 +1,54 @@
+"""The latest inputs of the robot, assembled into one Observation per engine cycle.
+
+The prefill node's callbacks write here (already converted: a camera image is a
+[3, S, S] tensor by then); the cycle thread reads one Observation at the start of
+each cycle and hands it to `engine.observe`. Nothing here waits on the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from embodied_kv.model.vla import Observation
+
+
+class ObservationBuffer:
+    def __init__(self, num_cameras: int, image_size: int, state_dim: int, used_cameras: int):
+        if used_cameras > num_cameras:
+            raise ValueError(
+                f"{used_cameras} cameras configured, the model takes at most {num_cameras}"
+            )
+        self.num_cameras, self.image_size, self.state_dim = num_cameras, image_size, state_dim
+        self._images: list[torch.Tensor | None] = [None] * num_cameras  # [3, S, S] each
+        self._state = np.zeros(state_dim)
+        self._instruction = ""
+        self._lock = threading.Lock()
+
+    def set_image(self, camera: int, image: torch.Tensor) -> None:
+        assert image.shape == (3, self.image_size, self.image_size), image.shape
+        with self._lock:
+            self._images[camera] = image
+
+    def set_state(self, state: np.ndarray) -> None:
+        with self._lock:
+            self._state = np.asarray(state, dtype=np.float64)[: self.state_dim].copy()
+
+    def set_instruction(self, text: str) -> None:
+        with self._lock:
+            self._instruction = text
+
+    def observation(self) -> Observation | None:
+        """None until some camera has sent a frame; cameras without one are masked."""
+        with self._lock:
+            present = tuple(img is not None for img in self._images)
+            if not any(present):
+                return None
+            s = self.image_size
+            images = torch.stack(
+                [img if img is not None else torch.zeros(3, s, s) for img in self._images]
+            )  # [num_cameras, 3, S, S]
+            mask = None if all(present) else present
+            return Observation(images, self._state.copy(), self._instruction, mask)
