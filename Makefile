@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.embodied_kv-setup
 RUN := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY)
-DEMO_SECONDS ?= 5
+DEMO_SECONDS ?= 20
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint pytest setup clean distclean

@@ -14,12 +14,12 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-DEFAULT_DEMO_SECONDS = 5.0
+DEFAULT_DEMO_SECONDS = 20.0
 
 
 def run_demo(args: argparse.Namespace) -> int:
     try:
-        from embodied_kv.ros import container
+        from embodied_kv.ros import demo
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] not in ("rclpy", "yaml", "rcl_interfaces"):
             raise
@@ -29,12 +29,12 @@ def run_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    argv = ["--demo-seconds", str(args.seconds)]
+    argv = ["--seconds", str(args.seconds)]
     if args.config:
         argv += ["--config", args.config]
     if args.preset:
         argv += ["--preset", args.preset]
-    return container.main(argv)
+    return demo.main(argv)
 
 
 def available_benchmarks() -> list[str]:
@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embodied-kv", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run the robot process for a bounded time")
+    demo = commands.add_parser(
+        "demo", help="the robot process beside a simulated robot for a bounded time, then a report"
+    )
     demo.add_argument("--seconds", type=float, default=DEFAULT_DEMO_SECONDS)
     demo.add_argument("--config", help="ROS 2 parameter file (default: config/robot.yaml)")
     demo.add_argument("--preset", help="model preset; overrides the config file")

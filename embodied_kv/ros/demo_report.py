@@ -1,0 +1,123 @@
+"""What `make demo` prints at the end: the figures of DESIGN §5/§7, readable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from embodied_kv.msg import TextChunk
+from embodied_kv.ros.rate_probe import RateSummary
+
+TEXT_WIDTH = 72
+KINDS = {TextChunk.TASK_NARRATION: "narration", TextChunk.TASK_ANSWER: "answer",
+         TextChunk.TASK_PLAN: "plan"}  # fmt: skip
+
+
+@dataclass
+class Report:
+    target_hz: float
+    seconds: float
+    actions: RateSummary | None = None
+    chunks: int = 0
+    text: dict = field(default_factory=dict)  # request id -> last TextChunk
+    pieces: dict = field(default_factory=dict)  # request id -> chunks received
+    questions: tuple[str, ...] = ()
+    goals: tuple[str, ...] = ()
+    diagnostics: object | None = None  # the last DiagnosticArray
+    snapshot: str = ""
+    reset: object | None = None  # Reset.Response
+    reset_rtt_ms: float = 0.0
+    reset_at: float | None = None
+    after_reset: int = 0  # actions received after the reset answered
+    after_reset_s: float = 0.0
+    capsules: object | None = None  # ListCapsules.Response
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.actions is not None and not self.problems
+
+    def diag(self, section: str) -> dict[str, str]:
+        if self.diagnostics is None:
+            return {}
+        for status in self.diagnostics.status:
+            if status.name == f"embodied_kv: {section}":
+                return {kv.key: kv.value for kv in status.values}
+        return {}
+
+    def render(self, robot_status: int) -> str:
+        engine, output = self.diag("engine"), self.diag("action output")
+        lines = [
+            "",
+            f"== embodied_kv demo: preset {engine.get('preset', '?')} on "
+            f"{engine.get('device', '?')}, {self.seconds:g} s ==",
+            "actions (measured by a subscriber in this process, the robot is another one):",
+            "  " + (self.actions.line(self.target_hz) if self.actions else "none received"),
+            f"  {self.chunks} action chunks on action_chunk; deadline misses (ticks without a "
+            f"fresh action) {output.get('deadline_misses', '?')}, chunks after their deadline "
+            f"{engine.get('chunks_after_deadline', '?')}, cycle overruns "
+            f"{engine.get('cycle_overruns', '?')}",
+            f"language: {_tokens_per_s(engine, self.seconds)} tokens/s over the run "
+            f"({engine.get('tokens', '?')} tokens in {engine.get('cycles', '?')} engine cycles); "
+            "random weights, so the text is noise:",
+        ]
+        lines += self._texts()
+        lines.append(f"snapshot: {self.snapshot or 'not taken'}")
+        if self.reset is not None:
+            r = self.reset
+            lines.append(
+                f"reset: round trip {self.reset_rtt_ms:.1f} ms, restore {r.restore_ms:.2f} ms"
+                f" ({r.message}); then {self.after_reset} actions in {self.after_reset_s:.1f} s"
+                if r.success
+                else f"reset: refused: {r.message}"
+            )
+        if self.capsules is not None and self.capsules.success:
+            tiers = ("gpu", "host", "disk")
+            caps = ", ".join(
+                f"{n} ({tiers[t]}, {b} B{', pinned' if p else ''})"
+                for n, t, b, p in zip(
+                    self.capsules.names, self.capsules.tiers, self.capsules.bytes,
+                    self.capsules.pinned, strict=True,
+                )
+            )  # fmt: skip
+            lines.append(f"capsules: {caps}")
+        lines += [f"problem: {p}" for p in self.problems]
+        lines.append(f"robot process exited with status {robot_status}")
+        return "\n".join(lines)
+
+    def _texts(self) -> list[str]:
+        out = []
+        by_kind: dict[int, list[TextChunk]] = {}
+        for chunk in self.text.values():
+            by_kind.setdefault(chunk.task, []).append(chunk)
+        prompts = {TextChunk.TASK_ANSWER: self.questions, TextChunk.TASK_PLAN: self.goals}
+        for task in (TextChunk.TASK_ANSWER, TextChunk.TASK_PLAN, TextChunk.TASK_NARRATION):
+            chunks = sorted(by_kind.get(task, []), key=lambda c: _order(c.request_id))
+            if task == TextChunk.TASK_NARRATION:
+                out.append(f"  {len(chunks)} narrations streamed; the last:")
+                chunks = chunks[-1:]
+            for i, c in enumerate(chunks):
+                asked = prompts.get(task, ())
+                prompt = f" {asked[i]!r} ->" if i < len(asked) else ""
+                state = "done" if c.done else "still streaming"
+                out.append(
+                    f"  [{c.request_id}]{prompt} {_short(c.text_so_far)} "
+                    f"({self.pieces.get(c.request_id, 0)} chunks, {state})"
+                )
+        return out
+
+
+def _order(request_id: str) -> tuple[str, int]:
+    name, _, n = request_id.rpartition("-")
+    return (name, int(n)) if n.isdigit() else (request_id, 0)
+
+
+def _short(text: str) -> str:
+    r = repr(text)
+    return r if len(r) <= TEXT_WIDTH else r[: TEXT_WIDTH - 4] + "...'"
+
+
+def _tokens_per_s(engine: dict[str, str], seconds: float) -> str:
+    try:
+        return f"{float(engine['tokens']) / seconds:.0f}"
+    except (KeyError, ValueError):
+        return "?"
