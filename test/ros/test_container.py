@@ -1,9 +1,9 @@
-"""The robot process as users run it: a separate process, probed over DDS."""
+"""The robot process as users run it, from the command line. The robot's topics and
+services are tested in test/ros/robot against one shared robot process."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +13,11 @@ import pytest
 ROS_SKIP_REASON = "rclpy is not importable (no ROS 2 here; `make test` installs it into .venv)"
 pytest.importorskip("rclpy", reason=ROS_SKIP_REASON)
 
-from lifecycle_msgs.msg import State  # noqa: E402
-from lifecycle_msgs.srv import GetState  # noqa: E402
-
-from embodied_kv.ros.container import NODE_CLASSES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTUP_TIMEOUT_S = 30.0  # interpreter start + rclpy import on a busy 2-core machine
+STARTUP_TIMEOUT_S = 60.0  # interpreter start + torch and rclpy imports on a busy 2-core machine
 EXIT_TIMEOUT_S = 20.0
+DEMO_TIMEOUT_S = 60.0  # 6 s of episode + shutdown, on a loaded 2-core machine
 
 
 def python(*args: str, **kwargs) -> subprocess.Popen:
@@ -37,40 +34,16 @@ def python(*args: str, **kwargs) -> subprocess.Popen:
     )
 
 
-def test_container_brings_every_node_up_and_down_on_sigint(ros):
-    # A namespace remap also proves ROS arguments reach every node of the process.
-    process = python(
-        "-m", "embodied_kv.ros.container", "--ros-args", "-r", f"__ns:={ros.namespace}"
-    )
-    try:
-        caller = ros.participant().node("container_probe")
-        for cls in NODE_CLASSES:
-            client = caller.create_client(GetState, f"{ros.namespace}/{cls.NAME}/get_state")
-
-            def is_active(client=client) -> bool:
-                return ros.call(client, GetState.Request()).current_state.id == (
-                    State.PRIMARY_STATE_ACTIVE
-                )
-
-            ros.wait_until(is_active, f"{cls.NAME} active", STARTUP_TIMEOUT_S)
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=EXIT_TIMEOUT_S)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 0, err
+def test_demo_plays_its_episode_and_prints_the_report():
+    # What `make demo` runs, shortened; the robot process of the demo is its own.
+    process = python("-m", "embodied_kv.cli", "demo", "--seconds", "6")
+    out, err = process.communicate(timeout=STARTUP_TIMEOUT_S + DEMO_TIMEOUT_S)
+    assert process.returncode == 0, out + err
     assert "5 nodes configured and active (preset=tiny)" in out
-    for cls in NODE_CLASSES:
-        assert f"{cls.NAME}]: cleaned up" in err  # logger name: [<namespace>.<node>]
-
-
-def test_cli_demo_runs_for_the_given_time_and_exits():
-    process = python("-m", "embodied_kv.cli", "demo", "--seconds", "0.5")
-    out, err = process.communicate(timeout=STARTUP_TIMEOUT_S + EXIT_TIMEOUT_S)
-    assert process.returncode == 0, err
-    assert "configured and active (preset=tiny)" in out
-    assert "demo finished after 0.5 s" in out
+    for line in ("Hz (target 50); inter-arrival p50", "jitter p50", "deadline misses",
+                 "tokens/s", "[answer-1]", "[plan-1]", "reset: round trip",
+                 "robot process exited with status 0"):  # fmt: skip
+        assert line in out, out
 
 
 def test_container_rejects_a_missing_config_with_one_line(tmp_path):
