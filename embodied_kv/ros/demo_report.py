@@ -23,6 +23,7 @@ class Report:
     questions: tuple[str, ...] = ()
     goals: tuple[str, ...] = ()
     diagnostics: object | None = None  # the last DiagnosticArray
+    peak_tokens_per_s: float = 0.0  # highest tokens/s /diagnostics reported (30 cycles)
     snapshot: str = ""
     reset: object | None = None  # Reset.Response
     reset_rtt_ms: float = 0.0
@@ -56,9 +57,10 @@ class Report:
             f"fresh action) {output.get('deadline_misses', '?')}, chunks after their deadline "
             f"{engine.get('chunks_after_deadline', '?')}, cycle overruns "
             f"{engine.get('cycle_overruns', '?')}",
-            f"language: {_tokens_per_s(engine, self.seconds)} tokens/s over the run "
-            f"({engine.get('tokens', '?')} tokens in {engine.get('cycles', '?')} engine cycles); "
-            "random weights, so the text is noise:",
+            f"language: {engine.get('tokens', '?')} tokens in {engine.get('cycles', '?')} engine "
+            f"cycles, {_tokens_per_s(engine, self.seconds)} tokens/s over the run, "
+            f"{self.peak_tokens_per_s:.0f} tokens/s at the busiest "
+            "(random weights: the text is noise):",
         ]
         lines += self._texts()
         lines.append(f"snapshot: {self.snapshot or 'not taken'}")
@@ -71,15 +73,7 @@ class Report:
                 else f"reset: refused: {r.message}"
             )
         if self.capsules is not None and self.capsules.success:
-            tiers = ("gpu", "host", "disk")
-            caps = ", ".join(
-                f"{n} ({tiers[t]}, {b} B{', pinned' if p else ''})"
-                for n, t, b, p in zip(
-                    self.capsules.names, self.capsules.tiers, self.capsules.bytes,
-                    self.capsules.pinned, strict=True,
-                )
-            )  # fmt: skip
-            lines.append(f"capsules: {caps}")
+            lines.append(f"capsules: {_capsules(self.capsules)}")
         lines += [f"problem: {p}" for p in self.problems]
         lines.append(f"robot process exited with status {robot_status}")
         return "\n".join(lines)
@@ -121,3 +115,18 @@ def _tokens_per_s(engine: dict[str, str], seconds: float) -> str:
         return f"{float(engine['tokens']) / seconds:.0f}"
     except (KeyError, ValueError):
         return "?"
+
+
+def _capsules(listing) -> str:
+    """Named capsules one by one; the per-cycle rollback boundaries (auto-N) as a count."""
+    tiers = ("gpu", "host", "disk")
+    rows = zip(listing.names, listing.tiers, listing.bytes, listing.pinned, strict=True)
+    named, auto = [], []
+    for name, tier, size, pinned in rows:
+        if name.startswith("auto-"):
+            auto.append(size)
+        else:
+            named.append(f"{name} ({tiers[tier]}, {size} B{', pinned' if pinned else ''})")
+    if auto:
+        named.append(f"{len(auto)} per-cycle rollback boundaries ({sum(auto)} B)")
+    return ", ".join(named)

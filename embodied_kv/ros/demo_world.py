@@ -41,6 +41,7 @@ class Listener:
         self.text: dict[str, TextChunk] = {}  # request id -> its latest chunk
         self.pieces: dict[str, int] = defaultdict(int)  # request id -> chunks received
         self.diagnostics: DiagnosticArray | None = None
+        self.peak_tokens_per_s = 0.0
         node.create_subscription(Float64MultiArray, "action", self._on_action, 100)
         node.create_subscription(JointTrajectory, "action_chunk", self._on_chunk, 10)
         node.create_subscription(TextChunk, "text", self._on_text, 100)
@@ -58,8 +59,12 @@ class Listener:
         self.pieces[msg.request_id] += 1
 
     def _on_diagnostics(self, msg: DiagnosticArray) -> None:
-        if any(s.name.startswith("embodied_kv") for s in msg.status):
-            self.diagnostics = msg
+        for status in msg.status:
+            if status.name == "embodied_kv: engine":
+                self.diagnostics = msg
+                values = {kv.key: kv.value for kv in status.values}
+                rate = float(values.get("tokens_per_s", 0.0))
+                self.peak_tokens_per_s = max(self.peak_tokens_per_s, rate)
 
 
 class DemoWorld:
@@ -146,6 +151,7 @@ class DemoWorld:
         report.text, report.pieces = dict(self.listener.text), dict(self.listener.pieces)
         report.questions, report.goals = QUESTIONS, GOALS
         report.diagnostics = self.listener.diagnostics
+        report.peak_tokens_per_s = self.listener.peak_tokens_per_s
         try:
             report.capsules = self.call(self.list, ListCapsules.Request())
         except RuntimeError as e:
