@@ -10,7 +10,8 @@ import numpy as np
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255; needs no download (the `tiny` preset)."""
+    """UTF-8 bytes as ids 0..255; needs no download (the `tiny` preset). Bytes that are
+    not UTF-8 decode as `\\xNN` escapes, so random-weight output stays readable ASCII."""
 
     bos_id, eos_id, pad_id = 256, 257, 258
     vocab_size = 259
@@ -19,7 +20,7 @@ class ByteTokenizer:
         return ([self.bos_id] if bos else []) + list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="backslashreplace")
 
 
 class GemmaTokenizer:
