@@ -11,7 +11,6 @@ Why a thread, not an rclpy timer or an output process: README, "Real time".
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodied_kv.ros.rate_probe import RateProbe
+from embodied_kv.ros.worker import Worker
 
 MAX_LAG_TICKS = 5  # behind by more than this: drop the backlog instead of bursting it
 STATS_WINDOW_S = 2.0  # /diagnostics rate and jitter are over the last this many seconds
@@ -61,8 +61,10 @@ class OutputCounters:
     errors: int = 0  # exceptions in pop / publish (logged, the stream went on)
 
 
-class ActionOutput:
+class ActionOutput(Worker):
     """Publishes `pop(tick)`'s action at every tick from start() to stop()."""
+
+    THREAD_NAME = "action-output"
 
     def __init__(
         self,
@@ -71,31 +73,15 @@ class ActionOutput:
         publish: Callable[[np.ndarray, int], None],
         log_error: Callable[[str], None],
     ):
+        super().__init__()
         self.clock, self._pop, self._publish, self._log_error = clock, pop, publish, log_error
         self.counters = OutputCounters()
         self.publish_times = RateProbe(clock.period_s, keep=4096)
         self._lateness: deque[float] = deque(maxlen=256)  # s past due, of the last ticks
-        self._stop = threading.Event()
         self._started = False  # a fresh action has left since start()
-        self._thread: threading.Thread | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> None:
-        if self.running:
-            return
-        self._stop.clear()
+    def _on_start(self) -> None:
         self._started = False
-        self._thread = threading.Thread(target=self._run, name="action-output", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 2.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._thread = None
 
     def _run(self) -> None:
         clock = self.clock

@@ -9,7 +9,6 @@ with the tick it really started at, so the ActionQueue places its chunk correctl
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from embodied_kv.engine.engine import Engine
 from embodied_kv.engine.frame_loop import CycleResult
 from embodied_kv.model.vla import Observation
 from embodied_kv.ros.action_output import ControlClock
+from embodied_kv.ros.worker import Worker
 
 TOKENS_WINDOW = 30  # cycles over which tokens/s is reported
 
@@ -32,7 +32,10 @@ class CycleCounters:
     tokens: int = 0  # language tokens decoded
 
 
-class CycleThread:
+class CycleThread(Worker):
+    THREAD_NAME = "engine-cycle"
+    STOP_TIMEOUT_S = 10.0  # after the cycle in progress: one period plus its overrun
+
     def __init__(
         self,
         engine: Engine,
@@ -41,31 +44,12 @@ class CycleThread:
         dispatch: Callable[[CycleResult, int], None],
         log_error: Callable[[str], None],
     ):
+        super().__init__()
         self.engine, self.clock = engine, clock
         self.every = engine.cfg.replan_every
         self._observation, self._dispatch, self._log_error = observation, dispatch, log_error
         self.counters = CycleCounters()
         self._recent: deque[tuple[float, int]] = deque(maxlen=TOKENS_WINDOW)  # (end s, tokens)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> None:
-        if self.running:
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="engine-cycle", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop after the cycle in progress (at most one period plus its overrun)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self._thread = None
 
     def _run(self) -> None:
         clock, every = self.clock, self.every
