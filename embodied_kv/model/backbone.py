@@ -11,16 +11,7 @@ from embodied_kv.kernels.packed_attention import bucket, packed_attention
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.step import PackedStep
 from embodied_kv.model.config import GemmaConfig
-from embodied_kv.model.layers import Attention, GatedMLP, RMSNorm, Rope
-
-
-class BackboneLayer(nn.Module):
-    def __init__(self, cfg: GemmaConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.width, cfg.rms_eps)
-        self.self_attn = Attention(cfg.width, cfg.heads, cfg.kv_heads, cfg.head_dim)
-        self.post_attention_layernorm = RMSNorm(cfg.width, cfg.rms_eps)
-        self.mlp = GatedMLP(cfg.width, cfg.mlp)
+from embodied_kv.model.layers import GemmaLayer, RMSNorm, Rope
 
 
 class GemmaBackbone(nn.Module):
@@ -28,7 +19,7 @@ class GemmaBackbone(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(vocab_size, cfg.width)
-        self.layers = nn.ModuleList(BackboneLayer(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(GemmaLayer(cfg, adaptive=False) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.width, cfg.rms_eps)
         self.rope = Rope(cfg.head_dim, max_pos, cfg.rope_theta)
         self.scale = cfg.head_dim**-0.5

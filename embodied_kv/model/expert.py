@@ -14,17 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from embodied_kv.kv.arena import KVArena
-from embodied_kv.model.config import GemmaConfig, ModelConfig
-from embodied_kv.model.layers import AdaRMSNorm, Attention, GatedMLP, Rope, sinusoidal_time
-
-
-class ExpertLayer(nn.Module):
-    def __init__(self, cfg: GemmaConfig):
-        super().__init__()
-        self.input_layernorm = AdaRMSNorm(cfg.width, cfg.rms_eps)
-        self.self_attn = Attention(cfg.width, cfg.heads, cfg.kv_heads, cfg.head_dim)
-        self.post_attention_layernorm = AdaRMSNorm(cfg.width, cfg.rms_eps)
-        self.mlp = GatedMLP(cfg.width, cfg.mlp)
+from embodied_kv.model.config import ModelConfig
+from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
 
 
 class ActionExpert(nn.Module):
@@ -32,7 +23,7 @@ class ActionExpert(nn.Module):
         super().__init__()
         e = cfg.expert
         self.cfg = cfg
-        self.layers = nn.ModuleList(ExpertLayer(e) for _ in range(e.layers))
+        self.layers = nn.ModuleList(GemmaLayer(e, adaptive=True) for _ in range(e.layers))
         self.norm = AdaRMSNorm(e.width, e.rms_eps)
         self.rope = Rope(e.head_dim, max_pos, e.rope_theta)
         self.action_in_proj = nn.Linear(cfg.action_dim, e.width)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embodied_kv.model.config import GemmaConfig
+
 
 class RMSNorm(nn.Module):
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), computed in fp32."""
@@ -70,6 +72,19 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
         return q, k, v
+
+
+class GemmaLayer(nn.Module):
+    """The parameters of one transformer layer (names as in the checkpoints). The
+    backbone's norms are plain RMSNorm; the action expert's are adaptive."""
+
+    def __init__(self, cfg: GemmaConfig, adaptive: bool):
+        super().__init__()
+        norm = AdaRMSNorm if adaptive else RMSNorm
+        self.input_layernorm = norm(cfg.width, cfg.rms_eps)
+        self.self_attn = Attention(cfg.width, cfg.heads, cfg.kv_heads, cfg.head_dim)
+        self.post_attention_layernorm = norm(cfg.width, cfg.rms_eps)
+        self.mlp = GatedMLP(cfg.width, cfg.mlp)
 
 
 class Rope(nn.Module):
