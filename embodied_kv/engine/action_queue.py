@@ -61,13 +61,6 @@ class ActionQueue:
             self.counters.misses += 1
             return self._last.copy(), False
 
-    def remaining(self, tick: int) -> int:
-        """Actions left from `tick` on in the current chunk."""
-        with self._lock:
-            if self._chunk is None:
-                return 0
-            return max(0, self.horizon - (tick - self._start))
-
     # -- capsule section (kv.capsule.Stateful) ---------------------------------------------
 
     def state_tensors(self) -> dict[str, torch.Tensor]:

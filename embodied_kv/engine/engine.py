@@ -17,7 +17,7 @@ from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.graphs import GraphRunner
 from embodied_kv.engine.policy import LoopConfig
-from embodied_kv.kv.capsule import capture, identity_of, restore
+from embodied_kv.kv.capsule import capture, check_identity, identity_of, load_slot, restore
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
 from embodied_kv.kv.manager import KVCacheManager, TaskKind
 from embodied_kv.model.config import get_preset
@@ -55,16 +55,6 @@ class EngineConfig:
     @property
     def period_s(self) -> float:
         return self.replan_every / self.control_hz
-
-
-@dataclass
-class EngineStatus:
-    frame: int
-    tick: int
-    live_requests: int
-    arena_slots_used: int
-    arena_bytes: int
-    capsule_bytes: dict[str, int]
 
 
 class Engine:
@@ -199,6 +189,7 @@ class Engine:
         """n independent copies of a capsule's slots in free slots -> slot ids per branch."""
         with self.lock:
             cap = self.store.get(name)
+            check_identity(cap, self.identity)
             arena = self.manager.arena
             slots = cap.meta["arena"]["slots"]
             if n < 1 or n * len(slots) > arena.num_free:
@@ -211,11 +202,7 @@ class Engine:
                 branch = []
                 for s in slots:
                     d = arena.allocate()
-                    k = cap.tensors[f"kv.k.{s}"]
-                    arena.k[:, d, : k.shape[1]].copy_(k)
-                    arena.v[:, d, : k.shape[1]].copy_(cap.tensors[f"kv.v.{s}"])
-                    arena.length[:, d] = torch.tensor(cap.meta["arena"]["length"][str(s)])
-                    arena.next_pos[d] = cap.meta["arena"]["next_pos"][str(s)]
+                    load_slot(cap, arena, s, d)
                     branch.append(d)
                 branches.append(branch)
             return branches
@@ -247,17 +234,6 @@ class Engine:
         self.frame = int(meta["frame"])
         self.instruction = meta["instruction"]
         self.loop.counters = type(self.loop.counters)(**meta["loop"])
-
-    def status(self, tick: int = 0) -> EngineStatus:
-        arena = self.manager.arena
-        return EngineStatus(
-            self.frame,
-            tick,
-            len(self.manager.live()),
-            len(arena.in_use()),
-            arena.spec.bytes,
-            self.store.bytes_by_tier(),
-        )
 
 
 def load_model(cfg: EngineConfig):

@@ -42,11 +42,6 @@ class ArenaSpec:
         rows = self.num_layers * (self.num_slots + 1) * self.max_len
         return 2 * rows * self.kv_heads * self.head_dim * elem
 
-    @property
-    def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * elem
-
 
 class KVArena:
     def __init__(self, spec: ArenaSpec, device: torch.device | str = "cpu"):

@@ -124,12 +124,7 @@ def restore(
     arena.length.zero_()
     arena.next_pos.zero_()
     for s in slots:
-        k = capsule.tensors[f"kv.k.{s}"]
-        n = k.shape[1]
-        arena.k[:, s, :n].copy_(k, non_blocking=True)
-        arena.v[:, s, :n].copy_(capsule.tensors[f"kv.v.{s}"], non_blocking=True)
-        arena.length[:, s] = torch.tensor(a["length"][str(s)])
-        arena.next_pos[s] = a["next_pos"][str(s)]
+        load_slot(capsule, arena, s, s)
     arena.set_free_slots(a["free"])
     if kv_only:
         return
@@ -141,6 +136,17 @@ def restore(
         prefix = f"{key}."
         ts = {k[len(prefix) :]: v for k, v in capsule.tensors.items() if k.startswith(prefix)}
         obj.load_state(ts, capsule.meta["extras"][key])
+
+
+def load_slot(capsule: Capsule, arena: KVArena, src: int, dst: int) -> None:
+    """Copy the capsule's rows and metadata of slot `src` into arena slot `dst`."""
+    a = capsule.meta["arena"]
+    k = capsule.tensors[f"kv.k.{src}"]
+    n = k.shape[1]
+    arena.k[:, dst, :n].copy_(k, non_blocking=True)
+    arena.v[:, dst, :n].copy_(capsule.tensors[f"kv.v.{src}"], non_blocking=True)
+    arena.length[:, dst] = torch.tensor(a["length"][str(src)])
+    arena.next_pos[dst] = a["next_pos"][str(src)]
 
 
 def check_identity(capsule: Capsule, identity: Identity) -> None:
