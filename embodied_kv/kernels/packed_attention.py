@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs run the reference; the kernel wrapper says why it can't
-    triton = None
+from embodied_kv.kernels.decode_splitk import plan_splitk
+from embodied_kv.kernels.prefill_tile import plan_tile
+from embodied_kv.kernels.triton_base import (  # triton is None where it is not installed
+    INTERPRETED,
+    KERNEL_DTYPES,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    Launch,
+    triton,
+)
 
 ROW_BUCKET = 16  # query rows per run are padded to a multiple of this (>= 12 is batch-invariant)
 KEY_BLOCK = 64  # keys per run are padded to a multiple of this
@@ -107,147 +112,33 @@ def packed_attention_ref(
     return out
 
 
-# --- Triton kernel ----------------------------------------------------------------------
+# --- Triton kernels ----------------------------------------------------------------------
 #
-# Supported: q / k_cache / v_cache in fp32, bf16 or fp16 (all the same dtype), head_dim D <= 256
-# (padded to a power of two >= 16 with masks), Hq % Hkv == 0 with Hq / Hkv <= 32, any strides
-# with a contiguous last dim, slots in any order. Preconditions not checked (a check would
-# sync the device and break graph capture): 1 <= kv_len[i] <= T and 0 <= slot[i] < S.
+# Two kernels, one per access pattern, each correct for every input of the contract:
+#   kernels/decode_splitk.py  split-K (flash-decoding) + reduce: few tokens, each reading a
+#                             whole slot, spread over NUM_SPLITS programs per (token, KV head)
+#   kernels/prefill_tile.py   BLOCK_M tokens × the query heads of one KV head per program: runs
+#                             of one slot (prefill, mixed steps) read K/V once per tile
+# `packed_attention_kernel` picks one without a host sync. The choice changes speed only, and
+# bytes only between the two kernels: each kernel alone is batch-invariant. Supported range:
+# fp32 / bf16 / fp16, head_dim <= 256, Hq / Hkv <= 32, contiguous last dims (module headers).
 #
-# One program per (token, kv head): the Hq / Hkv query heads sharing that kv head form one
-# [GROUP_PAD, BLOCK_D] tile, so each K/V row is loaded once for the whole group (MQA / GQA),
-# and an online softmax (flash-attention) walks the token's slot rows in BLOCK_N steps.
-# Decode (one token per slot) reads every K/V row exactly once. A long prefill re-reads its
-# slot once per token (served from L2); a query-block-per-run variant would remove that.
-# Compiled offline for sm_90 (triton 3.9 ptxas, 16-divisible strides): bf16, Hq/Hkv = 8,
-# D = 256 uses 174 registers, no spills, 76 KiB shared memory, cp.async-pipelined K/V.
-# bf16 group 32 at D = 256 uses 255 registers without spills; fp32 spills above group 16.
+# Compiled offline for sm_90 (triton 3.9 ptxas), every configuration pi05 uses (bf16, D = 256,
+# 8 query heads per KV head; `python -m embodied_kv.kernels.offline_compile`, asserted by
+# test/kernels/test_offline_compile.py; registers per thread, shared memory per program):
+#
+#   kernel          configuration                        warps stages  regs  spills  smem
+#   splitk_partial  block_n=64, splits=16 (T <= 1024)        4      2   TBD     0    TBD
+#   splitk_partial  block_n=64, splits=32 (T > 1024)         4      2   TBD     0    TBD
+#   splitk_reduce   splits=16 / 32                           4      1   TBD     0    TBD
+#   prefill_tile    block_m=8 (64 rows), block_n=64          4      2   TBD     0    TBD
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 256  # pi0.5 (Gemma 2B) head_dim
-MAX_GROUP = 32  # query heads per kv head; bounds the [GROUP_PAD, BLOCK_D] fp32 accumulator
-MIN_DOT = 16  # tl.dot needs every tile dimension >= 16 on NVIDIA GPUs
-
-if triton is not None:
-
-    @triton.jit
-    def _dot(a, b, acc, DOT_IN_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-        # The interpreter multiplies bf16 tiles as raw uint16 (triton 3.9), so it upcasts first.
-        # 16-bit products are exact in fp32, so this matches the tensor-core result up to
-        # summation order.
-        if DOT_IN_FP32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        return acc
-
-    @triton.jit
-    def _packed_attention_fwd(
-        q_ptr,  # [N, Hq, D] queries
-        k_ptr,  # [S, T, Hkv, D] keys of one layer of the arena
-        v_ptr,  # [S, T, Hkv, D] values, same layout as keys
-        slot_ptr,  # [N] int slot of each token
-        kv_len_ptr,  # [N] int number of rows of its slot each token reads
-        out_ptr,  # [N, Hq, D] output, q's dtype
-        qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
-        stride_qn,  # q stride over tokens (elements)
-        stride_qh,  # q stride over heads
-        stride_ks,  # k stride over slots
-        stride_kt,  # k stride over rows
-        stride_kh,  # k stride over kv heads
-        stride_vs,  # v stride over slots
-        stride_vt,  # v stride over rows
-        stride_vh,  # v stride over kv heads
-        stride_on,  # out stride over tokens
-        stride_oh,  # out stride over heads
-        GROUP: tl.constexpr,  # Hq // Hkv
-        GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= MIN_DOT
-        HEAD_DIM: tl.constexpr,  # D
-        BLOCK_D: tl.constexpr,  # D rounded up to a power of two >= MIN_DOT
-        BLOCK_N: tl.constexpr,  # keys per step of the online softmax
-        SPLIT_P: tl.constexpr,  # 16-bit inputs: P @ V as hi + lo halves, see below
-        DOT_IN_FP32: tl.constexpr,  # interpreter only, see _dot
-        INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding)
-    ):
-        tok = tl.program_id(0).to(tl.int64)
-        kv_head = tl.program_id(1).to(tl.int64)
-        s = tl.load(slot_ptr + tok).to(tl.int64)
-        n_keys = tl.load(kv_len_ptr + tok).to(tl.int32)
-
-        offs_g = tl.arange(0, GROUP_PAD)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        mask_g = offs_g < GROUP
-        mask_d = offs_d < HEAD_DIM
-        heads = kv_head * GROUP + offs_g
-
-        q_ptrs = q_ptr + tok * stride_qn + heads[:, None] * stride_qh + offs_d[None, :]
-        q_mask = mask_g[:, None] & mask_d[None, :]
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [GROUP_PAD, BLOCK_D]
-        k_base = k_ptr + s * stride_ks + kv_head * stride_kh
-        v_base = v_ptr + s * stride_vs + kv_head * stride_vh
-
-        # Padded group rows see q = 0, hence finite scores and l_i > 0: no NaN to mask out.
-        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        for start in range(0, n_keys, BLOCK_N):
-            rows = start + offs_n
-            mask_n = rows < n_keys  # every block holds >= 1 valid row, so m_new stays finite
-            # Masked loads also keep garbage (even NaN) past kv_len out of both products.
-            k = tl.load(
-                k_base + rows[None, :] * stride_kt + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None],
-                other=0.0,
-            )  # [BLOCK_D, BLOCK_N]
-            zeros = tl.zeros([GROUP_PAD, BLOCK_N], dtype=tl.float32)
-            scores = _dot(q, k, zeros, DOT_IN_FP32, INPUT_PRECISION) * qk_scale
-            scores = tl.where(mask_n[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])  # [GROUP_PAD, BLOCK_N] fp32
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = tl.load(
-                v_base + rows[:, None] * stride_vt + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
-            if SPLIT_P:
-                # The reference keeps P in fp32. Rounding P to bf16 once cost, before the output
-                # rounding, 1.3x the reference's whole bf16 error (D = 256, interpreter);
-                # hi + lo carries ~16 bits for one extra MMA, free in this memory-bound loop.
-                p_hi = p.to(v.dtype)
-                p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-                acc = _dot(p_hi, v, acc, DOT_IN_FP32, INPUT_PRECISION)
-                acc = _dot(p_lo, v, acc, DOT_IN_FP32, INPUT_PRECISION)
-            else:
-                acc = _dot(p.to(v.dtype), v, acc, DOT_IN_FP32, INPUT_PRECISION)
-            m_i = m_new
-
-        out = acc / l_i[:, None]
-        o_ptrs = out_ptr + tok * stride_on + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-    # Decorated under TRITON_INTERPRET=1 the kernel runs on CPU tensors (tests).
-    KERNEL_INTERPRETED = not isinstance(_packed_attention_fwd, triton.runtime.JITFunction)
-else:
-    KERNEL_INTERPRETED = False
+SPLITK_MAX_TOKENS = 16  # default rule: steps of at most this many (padded) tokens use split-K
 
 
-def _pow2(n: int) -> int:
-    return max(MIN_DOT, 1 << (n - 1).bit_length())
-
-
-def packed_attention_kernel(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot: torch.Tensor,
-    kv_len: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Triton packed attention; same contract as `packed_attention_ref`. Returns [N, Hq, D]."""
+def check_kernel_inputs(q, k_cache, v_cache, slot, kv_len) -> None:
+    """What the Triton kernels need beyond the contract: ValueError for mismatched inputs,
+    RuntimeError for what they do not support. Shape and dtype checks only (no device sync)."""
     if triton is None:
         raise RuntimeError("packed_attention_kernel needs triton, which is not installed")
     check_shapes(q, k_cache, v_cache, slot, kv_len)
@@ -260,62 +151,83 @@ def packed_attention_kernel(
     devices = {t.device for t in (q, k_cache, v_cache, slot, kv_len)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {devices}")
-    if not (q.is_cuda or KERNEL_INTERPRETED):
-        raise RuntimeError(
-            f"packed_attention_kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1 set "
-            f"before this module is imported), got {q.device}"
-        )
     if q.dtype not in KERNEL_DTYPES:
         raise RuntimeError(f"dtype {q.dtype} unsupported, expected one of {KERNEL_DTYPES}")
-    n_tok, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    group = hq // hkv
-    if d > MAX_HEAD_DIM or group > MAX_GROUP:
-        raise RuntimeError(f"head_dim {d} > {MAX_HEAD_DIM} or Hq/Hkv {group} > {MAX_GROUP}")
+    group = q.shape[1] // k_cache.shape[2]
+    if q.shape[2] > MAX_HEAD_DIM or group > MAX_GROUP:
+        raise RuntimeError(
+            f"head_dim {q.shape[2]} > {MAX_HEAD_DIM} or Hq/Hkv {group} > {MAX_GROUP}"
+        )
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise RuntimeError(
             f"last dim must be contiguous, strides {q.stride()}, {k_cache.stride()}, "
             f"{v_cache.stride()}"
         )
-    fp32 = q.dtype == torch.float32
+
+
+def plan_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: torch.Tensor,
+    kv_len: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    decode: bool | None = None,
+    workspace: tuple[torch.Tensor, ...] | None = None,
+    num_splits: int | None = None,
+) -> list[Launch]:
+    """The launches `packed_attention_kernel` makes; shapes only, so it plans on `meta` tensors
+    too (kernels/offline_compile.py compiles exactly these)."""
+    check_kernel_inputs(q, k_cache, v_cache, slot, kv_len)
+    if out.shape != q.shape or out.stride(-1) != 1 or out.device != q.device:
+        raise ValueError(f"out {tuple(out.shape)} on {out.device} must be like q {tuple(q.shape)}")
+    if decode is None:
+        decode = q.shape[0] <= SPLITK_MAX_TOKENS
+    if decode:
+        return plan_splitk(q, k_cache, v_cache, slot, kv_len, scale, out, workspace, num_splits)
+    return plan_tile(q, k_cache, v_cache, slot, kv_len, scale, out)
+
+
+def packed_attention_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: torch.Tensor,
+    kv_len: torch.Tensor,
+    scale: float,
+    decode: bool | None = None,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, ...] | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton packed attention; same contract as `packed_attention_ref`. Returns out [N, Hq, D].
+
+    `decode` picks the kernel: True split-K, False the prefill tile, None by the step's size
+    (N <= SPLITK_MAX_TOKENS: split-K). It is a host-side hint that must not change between
+    replays of one CUDA graph: pass a value fixed per captured bucket (e.g. "every segment has
+    n == 1", which the planner knows) or None, which depends on N alone, so an eager step and a
+    graph step of one padded size take the same kernel. Any hint gives a correct result.
+    `out` (q's dtype, last dim contiguous) and `workspace` (decode_splitk.workspace, split-K
+    only) let a graph use static buffers; without them they are allocated per call.
+    `num_splits` overrides the split-K configuration (tests)."""
+    if not (q.is_cuda or INTERPRETED):
+        raise RuntimeError(
+            f"packed_attention_kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1 set "
+            f"before this module is imported), got {q.device}"
+        )
+    result = torch.empty_like(q) if out is None else out
     # The interpreter truncates fp32 -> 16-bit casts (triton 3.9) where GPUs round to nearest
-    # even, so under it the kernel writes fp32 and torch rounds.
-    out_dtype = torch.float32 if KERNEL_INTERPRETED else q.dtype
-    out = torch.empty((n_tok, hq, d), dtype=out_dtype, device=q.device)
-    if n_tok == 0:
-        return out.to(q.dtype)
-    # fp32 (ieee dots on CUDA cores) spills at BLOCK_N = 64, D = 256; 32 does not (ptxas, sm_90).
-    block_n = 32 if fp32 else 64
-    _packed_attention_fwd[(n_tok, hkv)](
-        q,
-        k_cache,
-        v_cache,
-        slot,
-        kv_len,
-        out,
-        scale * 1.4426950408889634,  # log2(e)
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        GROUP_PAD=_pow2(group),
-        HEAD_DIM=d,
-        BLOCK_D=_pow2(d),
-        BLOCK_N=block_n,
-        SPLIT_P=not fp32,
-        DOT_IN_FP32=KERNEL_INTERPRETED,
-        INPUT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=4,
-        num_stages=2,
-    )
-    return out.to(q.dtype)
+    # even, so under it the kernels write fp32 and torch rounds.
+    target = result.float() if INTERPRETED and q.dtype != torch.float32 else result
+    for launch in plan_kernel(
+        q, k_cache, v_cache, slot, kv_len, scale, target, decode, workspace, num_splits
+    ):
+        if q.shape[0] > 0:
+            launch.run()
+    if target is not result:
+        result.copy_(target)
+    return result
 
 
 def packed_attention(
@@ -327,8 +239,9 @@ def packed_attention(
     scale: float,
     runs: list[Run] | None = None,
     kv_len_host: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
+    """Dispatch: the Triton kernels on CUDA (into `out` when given), the reference elsewhere."""
     if q.is_cuda:
-        return packed_attention_kernel(q, k_cache, v_cache, slot, kv_len, scale)
+        return packed_attention_kernel(q, k_cache, v_cache, slot, kv_len, scale, out=out)
     return packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host)

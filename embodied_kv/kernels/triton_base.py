@@ -1,0 +1,118 @@
+"""What the packed-attention Triton kernels share: the import guard, interpreter detection,
+the online-softmax block step, and `Launch`, the record of one kernel launch.
+
+A `Launch` is planned from shapes alone (it runs on `meta` tensors), so the configurations
+the dispatcher picks are the ones `kernels/offline_compile.py` compiles for sm_90.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs run the reference; the kernel wrapper says why it can't
+    triton = None
+    tl = None
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256  # pi0.5 (Gemma 2B) head_dim
+MAX_GROUP = 32  # query heads per kv head; bounds the per-program fp32 accumulator
+MIN_DOT = 16  # tl.dot needs every tile dimension >= 16 on NVIDIA GPUs
+LOG2E = 1.4426950408889634  # scores live in the exp2 domain: exp(x) = exp2(x * log2(e))
+
+
+def pow2(n: int, at_least: int = MIN_DOT) -> int:
+    """Smallest power of two >= max(n, at_least)."""
+    return max(at_least, 1 << (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def dot(a, b, acc, DOT_IN_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        # The interpreter multiplies bf16 tiles as raw uint16 (triton 3.9), so it upcasts first.
+        # 16-bit products are exact in fp32, so this matches the tensor-core result up to
+        # summation order.
+        if DOT_IN_FP32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        return acc
+
+    @triton.jit
+    def attend_block(
+        q,  # [R, BLOCK_D] queries, input dtype
+        k,  # [BLOCK_D, BLOCK_N] keys, zeros where masked
+        v,  # [BLOCK_N, BLOCK_D] values, zeros where masked
+        valid,  # [R, BLOCK_N] or [1, BLOCK_N] bool: which scores count
+        m_i,  # [R] fp32 running max (exp2 domain)
+        l_i,  # [R] fp32 running softmax denominator
+        acc,  # [R, BLOCK_D] fp32 running unnormalised output
+        qk_scale,  # softmax scale * log2(e)
+        SPLIT_P: tl.constexpr,  # 16-bit inputs: P @ V as hi + lo halves, see below
+        DOT_IN_FP32: tl.constexpr,  # interpreter only, see dot
+        INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding)
+    ):
+        """One online-softmax (flash-attention) step over BLOCK_N keys. Every row must have seen
+        at least one valid key by the end of its first block, so m_i stays finite after it; a
+        later block with no valid key for a row leaves that row's state bit-identical."""
+        zeros = tl.zeros([q.shape[0], k.shape[1]], dtype=tl.float32)
+        scores = dot(q, k, zeros, DOT_IN_FP32, INPUT_PRECISION) * qk_scale
+        scores = tl.where(valid, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])  # [R, BLOCK_N] fp32
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if SPLIT_P:
+            # The reference keeps P in fp32. Rounding P to bf16 once cost, before the output
+            # rounding, 1.3x the reference's whole bf16 error (D = 256, interpreter);
+            # hi + lo carries ~16 bits for one extra MMA, free in this memory-bound loop.
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            acc = dot(p_hi, v, acc, DOT_IN_FP32, INPUT_PRECISION)
+            acc = dot(p_lo, v, acc, DOT_IN_FP32, INPUT_PRECISION)
+        else:
+            acc = dot(p.to(v.dtype), v, acc, DOT_IN_FP32, INPUT_PRECISION)
+        return m_new, l_i, acc
+
+    # Decorated under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
+    INTERPRETED = not isinstance(dot, triton.runtime.JITFunction)
+else:
+    INTERPRETED = False
+
+
+def precision_flags(dtype: torch.dtype) -> dict[str, object]:
+    """The numeric constexprs every attention kernel here takes, for inputs of `dtype`."""
+    fp32 = dtype == torch.float32
+    return {
+        "SPLIT_P": not fp32,
+        "DOT_IN_FP32": INTERPRETED,
+        "INPUT_PRECISION": "ieee" if fp32 else "tf32",
+    }
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: `kernel[grid](*args, **constexprs, num_warps=, num_stages=)`.
+
+    `args` are the runtime arguments in the kernel's order (tensors, ints, floats);
+    `name` says which configuration this is, for reports."""
+
+    name: str
+    kernel: Any  # a triton.jit function
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict[str, object] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def run(self) -> None:
+        self.kernel[self.grid](
+            *self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages
+        )
