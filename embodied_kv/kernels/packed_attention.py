@@ -244,4 +244,5 @@ def packed_attention(
     """Dispatch: the Triton kernels on CUDA (into `out` when given), the reference elsewhere."""
     if q.is_cuda:
         return packed_attention_kernel(q, k_cache, v_cache, slot, kv_len, scale, out=out)
-    return packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host)
+    o = packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host)
+    return o if out is None else out.copy_(o)
