@@ -13,6 +13,20 @@ Run it in a process where TRITON_INTERPRET is not set (under the interpreter `tr
 returns functions that cannot be compiled):
 
     python -m embodied_kv.kernels.offline_compile [--json FILE]
+
+Result (triton 3.9.0, its ptxas, sm_90; registers per thread, shared memory per program;
+asserted spill-free by test/kernels/test_offline_compile.py):
+
+    kernel          configuration (bf16, D=256, group 8)  warps stages regs spills smem     mma
+    splitk_partial  block_n=64, 16 splits (T <= 1024)         4      2  168      0  76 KiB  mma.sync
+    splitk_partial  block_n=64, 32 splits (T > 1024)          4      2  168      0  76 KiB  mma.sync
+    splitk_reduce   16 splits                                 4      1   34      0   2 KiB  -
+    splitk_reduce   32 splits                                 4      1   43      0   2 KiB  -
+    prefill_tile    block_m=8 (64 rows), block_n=16           4      2  247      0  64 KiB  wgmma
+
+The split-K tile has 16 rows (8 heads padded), below wgmma's 64: decode is memory-bound and
+the tile reads each K/V row once for all heads. Alternatives measured for the prefill tile
+are in prefill_tile.tile_config.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ class CompileReport:
     spill_stores: int  # bytes
     spill_loads: int  # bytes
     shared_bytes: int  # dynamic shared memory per program
+    wgmma: bool  # Hopper warpgroup MMA in the PTX (else mma.sync or no tensor-core dot)
 
     @property
     def spills(self) -> bool:
@@ -137,7 +152,7 @@ def compile_launch(launch: Launch, arch: int = SM90) -> CompileReport:
     regs, spill_st, spill_ld = _ptxas_usage(kernel.asm["ptx"], arch)
     return CompileReport(
         launch.name, arch, launch.num_warps, launch.num_stages, regs, spill_st, spill_ld,
-        kernel.metadata.shared,
+        kernel.metadata.shared, "wgmma" in kernel.asm["ptx"],
     )  # fmt: skip
 
 
@@ -162,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the reports here")
     args = parser.parse_args(argv)
     reports = [compile_launch(launch, args.arch) for launch in pi05_launches()]
-    print(f"{'kernel configuration':64} warps stages  regs  spill st/ld  smem")
+    print(f"{'kernel configuration':64} warps stages  regs  spill st/ld  smem     wgmma")
     for r in reports:
         print(
             f"{r.name:64} {r.num_warps:5} {r.num_stages:6} {r.registers:5} "
-            f"{r.spill_stores:5}/{r.spill_loads:<5} {r.shared_bytes // 1024:3} KiB"
+            f"{r.spill_stores:5}/{r.spill_loads:<5} {r.shared_bytes // 1024:3} KiB  {r.wgmma}"
         )
     if args.json:
         with open(args.json, "w") as f:

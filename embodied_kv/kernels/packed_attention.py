@@ -123,15 +123,8 @@ def packed_attention_ref(
 # bytes only between the two kernels: each kernel alone is batch-invariant. Supported range:
 # fp32 / bf16 / fp16, head_dim <= 256, Hq / Hkv <= 32, contiguous last dims (module headers).
 #
-# Compiled offline for sm_90 (triton 3.9 ptxas), every configuration pi05 uses (bf16, D = 256,
-# 8 query heads per KV head; `python -m embodied_kv.kernels.offline_compile`, asserted by
-# test/kernels/test_offline_compile.py; registers per thread, shared memory per program):
-#
-#   kernel          configuration                        warps stages  regs  spills  smem
-#   splitk_partial  block_n=64, splits=16 (T <= 1024)        4      2   TBD     0    TBD
-#   splitk_partial  block_n=64, splits=32 (T > 1024)         4      2   TBD     0    TBD
-#   splitk_reduce   splits=16 / 32                           4      1   TBD     0    TBD
-#   prefill_tile    block_m=8 (64 rows), block_n=64          4      2   TBD     0    TBD
+# Every configuration pi05 uses (bf16, D = 256, 8 query heads per KV head) compiles for sm_90
+# without spills: registers and shared memory per configuration in kernels/offline_compile.py.
 
 SPLITK_MAX_TOKENS = 16  # default rule: steps of at most this many (padded) tokens use split-K
 

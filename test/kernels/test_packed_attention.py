@@ -1,44 +1,13 @@
-"""Packed attention: Triton kernel vs torch reference, and the reference vs a naive loop.
+"""Packed attention: the torch reference vs a naive loop, and the Triton dispatcher.
 
-Without a GPU the kernel runs under the Triton interpreter on CPU tensors. Triton decorates
-its own library (tl.zeros, ...) when first imported, so TRITON_INTERPRET must be set before
-anything in the session imports triton: here, or in test/conftest.py for a whole-suite run.
-"""
+The kernels themselves are tested against the reference in test_decode_splitk.py and
+test_prefill_tile.py; here, what the entry point adds: the kernel choice (no host sync, fixed
+per step shape), static `out` buffers, strided views and input validation."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-import embodied_kv.kernels.packed_attention as pa  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _kernel_skip_reason() -> str | None:
-    if pa.triton is None:
-        return "triton is not installed"
-    stdlib_compiled = isinstance(pa.tl.zeros, pa.triton.runtime.JITFunction)
-    if DEVICE == "cpu" and (stdlib_compiled or not pa.KERNEL_INTERPRETED):
-        return (
-            "no GPU, and triton was imported before TRITON_INTERPRET=1 was set: run "
-            "test/kernels on its own or set the variable in test/conftest.py"
-        )
-    return None
-
-
-needs_kernel = pytest.mark.skipif(
-    _kernel_skip_reason() is not None, reason=str(_kernel_skip_reason())
-)
-
-FP32_TOL = 1e-5  # kernel and naive loop vs reference, fp32 (different summation orders)
-LOW_PRECISION_FACTOR = 2.0  # kernel error <= this x the reference's own 16-bit error (STYLE)
-
-HEADS = {"mqa": (4, 1, 32), "gqa": (6, 2, 16), "pi05": (8, 1, 256)}  # (Hq, Hkv, D)
+import embodied_kv.kernels.packed_attention as pa
 
 # Each case is a list of (slot, kv_len) per token, in packing order.
 CASES = {
@@ -48,28 +17,15 @@ CASES = {
     "mixed": [(1, 7), (4, 62), (4, 63), (4, 64), (4, 65), (0, 130), (3, 1), (1, 8)],
     "prefix": [(2, 65)] * 3 + [(0, 7)] * 2,  # bidirectional prefix: equal kv_len in a run
 }
-N_SLOTS, MAX_LEN = 5, 136
 _gen = torch.Generator().manual_seed(1)
 CASES["scattered"] = list(  # every slot, random lengths, same-slot tokens not adjacent
     zip(
-        torch.randint(0, N_SLOTS, (24,), generator=_gen).tolist(),
-        torch.randint(1, MAX_LEN + 1, (24,), generator=_gen).tolist(),
+        torch.randint(0, 5, (24,), generator=_gen).tolist(),
+        torch.randint(1, 137, (24,), generator=_gen).tolist(),
         strict=True,
     )
 )
-
-
-def make_inputs(case, heads, dtype=torch.float32, seed=0):
-    """q [N, Hq, D], k/v [S, T, Hkv, D], slot [N], kv_len [N], scale."""
-    hq, hkv, d = heads
-    gen = torch.Generator().manual_seed(seed)
-    slot = torch.tensor([s for s, _ in CASES[case]], dtype=torch.int64)
-    kv_len = torch.tensor([n for _, n in CASES[case]], dtype=torch.int64)
-    q = torch.randn(len(slot), hq, d, generator=gen)
-    k = torch.randn(N_SLOTS, MAX_LEN, hkv, d, generator=gen)
-    v = torch.randn(N_SLOTS, MAX_LEN, hkv, d, generator=gen)
-    to = {"dtype": dtype, "device": DEVICE}
-    return q.to(**to), k.to(**to), v.to(**to), slot.to(DEVICE), kv_len.to(DEVICE), d**-0.5
+REF_HEADS = {"mqa": (4, 1, 32), "gqa": (6, 2, 16)}
 
 
 def naive_attention(q, k_cache, v_cache, slot, kv_len, scale):
@@ -86,18 +42,17 @@ def naive_attention(q, k_cache, v_cache, slot, kv_len, scale):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("heads", ["mqa", "gqa"])
-def test_reference_matches_naive_loop(case, heads):
-    args = make_inputs(case, HEADS[heads])
-    ref = pa.packed_attention_ref(*args)
-    torch.testing.assert_close(ref, naive_attention(*args), atol=FP32_TOL, rtol=FP32_TOL)
+@pytest.mark.parametrize("heads", list(REF_HEADS))
+def test_reference_matches_naive_loop(make_inputs, fp32_close, case, heads):
+    args = make_inputs(CASES[case], REF_HEADS[heads])
+    fp32_close(pa.packed_attention_ref(*args), naive_attention(*args))
 
 
 @pytest.mark.parametrize("case", ["mixed", "scattered"])
-@pytest.mark.parametrize("heads", ["mqa", "gqa"])
-def test_reference_is_batch_invariant(case, heads):
+@pytest.mark.parametrize("heads", list(REF_HEADS))
+def test_reference_is_batch_invariant(make_inputs, case, heads):
     """A token's output is the same bytes alone as packed with other slots' tokens."""
-    q, k, v, slot, kv_len, scale = make_inputs(case, HEADS[heads])
+    q, k, v, slot, kv_len, scale = make_inputs(CASES[case], REF_HEADS[heads])
     packed = pa.packed_attention_ref(q, k, v, slot, kv_len, scale)
     for i in range(len(slot)):
         one = slice(i, i + 1)
@@ -105,79 +60,70 @@ def test_reference_is_batch_invariant(case, heads):
         assert torch.equal(packed[one], alone), f"token {i}"
 
 
-@needs_kernel
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("heads", list(HEADS))
-def test_kernel_matches_reference_fp32(case, heads):
-    args = make_inputs(case, HEADS[heads])
-    out = pa.packed_attention_kernel(*args)
-    assert out.dtype == torch.float32 and out.shape == args[0].shape
-    torch.testing.assert_close(out, pa.packed_attention_ref(*args), atol=FP32_TOL, rtol=FP32_TOL)
+def test_entry_point_writes_out_buffer(make_inputs):
+    """`packed_attention(out=...)` fills the caller's buffer on every path (CPU: reference)."""
+    q, k, v, slot, kv_len, scale = make_inputs(CASES["mixed"], REF_HEADS["gqa"])
+    out = torch.full_like(q, float("nan"))
+    assert pa.packed_attention(q, k, v, slot, kv_len, scale, out=out) is out
+    assert torch.equal(out, pa.packed_attention(q, k, v, slot, kv_len, scale))
 
 
-@needs_kernel
-@pytest.mark.parametrize(
-    "case,heads,dtype",
-    [
-        ("mixed", "pi05", torch.bfloat16),
-        ("decode", "gqa", torch.bfloat16),
-        ("prefill", "mqa", torch.float16),
-        ("decode", "pi05", torch.float32),
-    ],
-)
-def test_kernel_low_precision(case, heads, dtype):
-    """Kernel error vs the fp32 reference at most about twice the reference's own error."""
-    q, k, v, slot, kv_len, scale = make_inputs(case, HEADS[heads], dtype)
-    exact = pa.packed_attention_ref(q.float(), k.float(), v.float(), slot, kv_len, scale)
-    ref_err = (pa.packed_attention_ref(q, k, v, slot, kv_len, scale).float() - exact).abs().max()
-    out = pa.packed_attention_kernel(q, k, v, slot, kv_len, scale)
-    assert out.dtype == dtype
-    err = (out.float() - exact).abs().max()
-    tol = LOW_PRECISION_FACTOR * ref_err if dtype != torch.float32 else FP32_TOL
-    assert err <= tol, f"kernel error {err:.3g} vs reference error {ref_err:.3g}"
+def _plan(n_tok, decode=None, kv_len=None, slot=None):
+    """Launches planned on meta tensors at pi05 heads: shapes only, like a graph capture."""
+    meta = {"dtype": torch.bfloat16, "device": "meta"}
+    q = torch.empty(n_tok, 8, 256, **meta)
+    k = torch.empty(3, 1024, 1, 256, **meta)
+    idx = torch.empty(n_tok, dtype=torch.int64, device="meta")
+    return pa.plan_kernel(q, k, k, idx, idx, 256**-0.5, torch.empty_like(q), decode)
 
 
-@needs_kernel
-def test_kernel_ignores_rows_past_kv_len_and_is_batch_invariant():
-    q, k, v, slot, kv_len, scale = make_inputs("mixed", HEADS["gqa"])
-    out = pa.packed_attention_kernel(q, k, v, slot, kv_len, scale)
-    dirty_k, dirty_v = k.clone(), v.clone()
-    for s in slot.unique().tolist():
-        n = int(kv_len[slot == s].max())
-        dirty_k[s, n:] = float("nan")
-        dirty_v[s, n:] = float("nan")
-    assert torch.equal(pa.packed_attention_kernel(q, dirty_k, dirty_v, slot, kv_len, scale), out)
-    for i in (0, 4, 6):  # each token alone
-        alone = pa.packed_attention_kernel(
-            q[i : i + 1], k, v, slot[i : i + 1], kv_len[i : i + 1], scale
-        )
-        assert torch.equal(alone, out[i : i + 1]), f"token {i}"
+def test_dispatcher_picks_by_step_size_or_hint():
+    """Default: split-K (partial + reduce) up to SPLITK_MAX_TOKENS tokens, the tile above;
+    an explicit hint overrides either way."""
+    kernels = lambda launches: [launch.name.split()[0] for launch in launches]  # noqa: E731
+    assert kernels(_plan(pa.SPLITK_MAX_TOKENS)) == ["splitk_partial", "splitk_reduce"]
+    assert kernels(_plan(pa.SPLITK_MAX_TOKENS + 16)) == ["prefill_tile"]
+    assert kernels(_plan(16, decode=False)) == ["prefill_tile"]
+    assert kernels(_plan(1024, decode=True)) == ["splitk_partial", "splitk_reduce"]
+    partial, reduce = _plan(16)
+    assert partial.grid == (16, 1, 16) and reduce.grid == (16, 8)  # T = 1024: 16 splits
+    assert _plan(64)[0].grid == (8, 1)  # 8 tokens × 8 heads per tile
 
 
-@needs_kernel
-def test_kernel_strided_inputs():
+def test_kernel_writes_out_buffer(kernel, make_inputs):
+    q, k, v, slot, kv_len, scale = make_inputs(CASES["decode"], REF_HEADS["mqa"], torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    assert pa.packed_attention_kernel(q, k, v, slot, kv_len, scale, out=out) is out
+    assert torch.equal(out, pa.packed_attention_kernel(q, k, v, slot, kv_len, scale))
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_kernel_strided_inputs(kernel, make_inputs, fp32_close, decode):
     """Views with padded head and row strides, as layer slices of a larger arena give."""
-    hq, hkv, d = HEADS["gqa"]
-    q, k, v, slot, kv_len, scale = make_inputs("decode", HEADS["gqa"])
-    q_wide = torch.zeros(q.shape[0], hq, d + 8, device=DEVICE)
+    hq, hkv, d = REF_HEADS["gqa"]
+    q, k, v, slot, kv_len, scale = make_inputs(CASES["mixed"], (hq, hkv, d))
+    q_wide = torch.zeros(q.shape[0], hq, d + 8, device=q.device)
     q_wide[..., :d] = q
-    kv = torch.zeros(2, N_SLOTS, MAX_LEN, hkv, d + 3, device=DEVICE)  # [K|V, S, T, Hkv, D+3]
+    kv = torch.zeros(2, *k.shape[:3], d + 3, device=q.device)  # [K|V, S, T, Hkv, D+3]
     kv[0, ..., :d], kv[1, ..., :d] = k, v
+    out_wide = torch.zeros_like(q_wide)
     args = (q_wide[..., :d], kv[0, ..., :d], kv[1, ..., :d], slot, kv_len, scale)
     assert not args[0].is_contiguous() and not args[1].is_contiguous()
-    ref = pa.packed_attention_ref(q, k, v, slot, kv_len, scale)
-    torch.testing.assert_close(pa.packed_attention_kernel(*args), ref, atol=FP32_TOL, rtol=FP32_TOL)
+    pa.packed_attention_kernel(*args, decode=decode, out=out_wide[..., :d])
+    fp32_close(out_wide[..., :d], pa.packed_attention_ref(q, k, v, slot, kv_len, scale))
+    assert not out_wide[..., d:].any(), "wrote outside the out view"
 
 
-@needs_kernel
-def test_kernel_rejects_bad_inputs():
-    q, k, v, slot, kv_len, scale = make_inputs("single", HEADS["mqa"])
-    with pytest.raises(ValueError):
+def test_kernel_rejects_bad_inputs(kernel, make_inputs):
+    q, k, v, slot, kv_len, scale = make_inputs(CASES["single"], REF_HEADS["mqa"])
+    with pytest.raises(ValueError, match="dtypes differ"):
         pa.packed_attention_kernel(q, k.half(), v, slot, kv_len, scale)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="integer"):
+        pa.packed_attention_kernel(q, k, v, slot.float(), kv_len, scale)
+    with pytest.raises(ValueError, match="out"):
+        pa.packed_attention_kernel(q, k, v, slot, kv_len, scale, out=q[:, :2])
+    with pytest.raises(RuntimeError, match="contiguous"):
         pa.packed_attention_kernel(q[..., ::2], k[..., ::2], v[..., ::2], slot, kv_len, scale)
-    with pytest.raises(RuntimeError):
-        big = torch.zeros(1, 1, 1, 512, device=DEVICE)
-        pa.packed_attention_kernel(
-            torch.zeros(1, 1, 512, device=DEVICE), big, big, slot, kv_len, scale
-        )
+    big = torch.zeros(1, 1, 1, 512, device=q.device)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        pa.packed_attention_kernel(q.new_zeros(1, 1, 512), big, big, slot, kv_len, scale)

@@ -1,0 +1,45 @@
+"""Every attention kernel configuration pi05 uses compiles for sm_90 without register spills.
+
+No GPU here: `triton.compile` targets sm_90 offline with the ptxas that ships in the triton
+wheel (kernels/offline_compile.py). It runs in a child process because this session imports
+triton under TRITON_INTERPRET=1 (test/conftest.py), where kernels cannot be compiled."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import embodied_kv.kernels.triton_base as tb
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(tb.triton is None, reason="triton is not installed")
+def test_pi05_kernels_compile_for_sm90_without_spills(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton's default; silences its warning
+    report = tmp_path / "sm90.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "embodied_kv.kernels.offline_compile", "--json", str(report)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    print(proc.stdout)  # the table: registers, spills, shared memory per configuration
+    assert report.exists(), proc.stderr[-4000:]
+    rows = json.loads(report.read_text())
+    kernels = {r["name"].split()[0] for r in rows}
+    assert kernels == {"splitk_partial", "splitk_reduce", "prefill_tile"}, kernels
+    assert {r["arch"] for r in rows} == {90}
+    for r in rows:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"spills: {r}"
+        assert 0 < r["registers"] <= 255
+        assert r["shared_bytes"] <= 227 * 1024, f"over sm_90's shared memory per block: {r}"
+        if r["name"].startswith("prefill_tile"):
+            assert r["wgmma"], f"the prefill tile should use Hopper's warpgroup MMA: {r}"
+    assert proc.returncode == 0, proc.stderr[-4000:]
