@@ -63,7 +63,7 @@ def workspace(n_tok: int, hq: int, d: int, num_splits: int, device) -> tuple[tor
 
 
 if triton is not None:
-    from embodied_kv.kernels.triton_base import attend_block
+    from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
     @triton.jit
     def _splitk_partial(
@@ -125,21 +125,10 @@ if triton is not None:
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
         for block in range(start, end, BLOCK_N):
-            rows = block + offs_n
-            mask_n = rows < end  # every block holds >= 1 valid row, so m_i stays finite
-            # Masked loads also keep garbage (even NaN) past kv_len out of both products.
-            k = tl.load(
-                k_base + rows[None, :] * stride_kt + offs_d[:, None],
-                mask=mask_n[None, :] & mask_d[:, None],
-                other=0.0,
-            )  # [BLOCK_D, BLOCK_N]
-            v = tl.load(
-                v_base + rows[:, None] * stride_vt + offs_d[None, :],
-                mask=mask_n[:, None] & mask_d[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
+            rows = block + offs_n  # every block holds >= 1 row < end: m_i stays finite
+            k, v = load_kv_block(k_base, v_base, rows, end, offs_d, mask_d, stride_kt, stride_vt)
             m_i, l_i, acc = attend_block(
-                q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale,
+                q, k, v, (rows < end)[None, :], m_i, l_i, acc, qk_scale,
                 SPLIT_P, DOT_IN_FP32, INPUT_PRECISION,
             )  # fmt: skip
 
@@ -220,11 +209,25 @@ def plan_splitk(
         kernel=_splitk_partial,
         grid=(n_tok, hkv, splits),
         args=(
-            q, k_cache, v_cache, slot, kv_len, m, l_s, acc, scale * LOG2E, hq,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ),  # fmt: skip
+            q,
+            k_cache,
+            v_cache,
+            slot,
+            kv_len,
+            m,
+            l_s,
+            acc,
+            scale * LOG2E,
+            hq,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+        ),
         constexprs={
             "GROUP": group,
             "GROUP_PAD": pow2(group),

@@ -63,7 +63,7 @@ def tile_config(dtype: torch.dtype, group: int) -> TileConfig:
 
 
 if triton is not None:
-    from embodied_kv.kernels.triton_base import attend_block
+    from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
     @triton.jit
     def _prefill_tile_fwd(
@@ -128,18 +128,9 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
             for block in range(0, n_keys, BLOCK_N):
                 rows = block + offs_n
-                mask_n = rows < n_keys
-                # Masked loads also keep garbage (even NaN) past kv_len out of both products.
-                k = tl.load(
-                    k_base + rows[None, :] * stride_kt + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None],
-                    other=0.0,
-                )  # [BLOCK_D, BLOCK_N]
-                v = tl.load(
-                    v_base + rows[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :],
-                    other=0.0,
-                )  # [BLOCK_N, BLOCK_D]
+                k, v = load_kv_block(
+                    k_base, v_base, rows, n_keys, offs_d, mask_d, stride_kt, stride_vt
+                )  # [BLOCK_D, BLOCK_N], [BLOCK_N, BLOCK_D]
                 valid = rows[None, :] < n_row[:, None]  # [ROWS, BLOCK_N]: row 0 always valid
                 m_i, l_i, acc = attend_block(
                     q, k, v, valid, m_i, l_i, acc, qk_scale,
@@ -178,12 +169,25 @@ def plan_tile(
             kernel=_prefill_tile_fwd,
             grid=(-(-n_tok // cfg.block_m), hkv),
             args=(
-                q, k_cache, v_cache, slot, kv_len, out, n_tok, scale * LOG2E,
-                q.stride(0), q.stride(1),
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                out.stride(0), out.stride(1),
-            ),  # fmt: skip
+                q,
+                k_cache,
+                v_cache,
+                slot,
+                kv_len,
+                out,
+                n_tok,
+                scale * LOG2E,
+                q.stride(0),
+                q.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                v_cache.stride(0),
+                v_cache.stride(1),
+                v_cache.stride(2),
+                out.stride(0),
+                out.stride(1),
+            ),
             constexprs={
                 "GROUP": group,
                 "GROUP_PAD": cfg.group_pad,

@@ -45,6 +45,32 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def load_kv_block(
+        k_base,  # pointer to row 0 of one slot and KV head of the keys
+        v_base,  # the same for the values
+        rows,  # [BLOCK_N] row indices
+        n_rows,  # rows >= n_rows load as 0
+        offs_d,  # [BLOCK_D] arange
+        mask_d,  # [BLOCK_D] offs_d < HEAD_DIM
+        stride_kt,  # k stride over rows
+        stride_vt,  # v stride over rows
+    ):
+        """K^T [BLOCK_D, BLOCK_N] and V [BLOCK_N, BLOCK_D] of `rows`. The masked loads also keep
+        garbage (even NaN) past a slot's valid rows out of both products."""
+        mask_n = rows < n_rows
+        k = tl.load(
+            k_base + rows[None, :] * stride_kt + offs_d[:, None],
+            mask=mask_n[None, :] & mask_d[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + rows[:, None] * stride_vt + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        return k, v
+
+    @triton.jit
     def attend_block(
         q,  # [R, BLOCK_D] queries, input dtype
         k,  # [BLOCK_D, BLOCK_N] keys, zeros where masked

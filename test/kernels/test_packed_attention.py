@@ -90,6 +90,27 @@ def test_dispatcher_picks_by_step_size_or_hint():
     assert _plan(64)[0].grid == (8, 1)  # 8 tokens × 8 heads per tile
 
 
+@pytest.mark.parametrize("decode", [True, False])
+def test_kernels_ignore_rows_past_kv_len_and_are_batch_invariant(kernel, make_inputs, decode):
+    """Both kernels: NaN past every slot's valid rows changes nothing, and a token alone gives
+    the bytes it gives packed with other slots' tokens (in one tile, for the tile kernel)."""
+    q, k, v, slot, kv_len, scale = make_inputs(CASES["mixed"], REF_HEADS["gqa"])
+    out = pa.packed_attention_kernel(q, k, v, slot, kv_len, scale, decode=decode)
+    dirty_k, dirty_v = k.clone(), v.clone()
+    for s in slot.unique().tolist():
+        n = int(kv_len[slot == s].max())
+        dirty_k[s, n:] = float("nan")
+        dirty_v[s, n:] = float("nan")
+    dirty = pa.packed_attention_kernel(q, dirty_k, dirty_v, slot, kv_len, scale, decode=decode)
+    assert torch.equal(dirty, out)
+    for i in (3, 6):
+        one = slice(i, i + 1)
+        alone = pa.packed_attention_kernel(
+            q[one], k, v, slot[one], kv_len[one], scale, decode=decode
+        )
+        assert torch.equal(alone, out[one]), f"token {i}"
+
+
 def test_kernel_writes_out_buffer(kernel, make_inputs):
     q, k, v, slot, kv_len, scale = make_inputs(CASES["decode"], REF_HEADS["mqa"], torch.bfloat16)
     out = torch.full_like(q, float("nan"))
