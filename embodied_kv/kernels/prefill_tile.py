@@ -54,12 +54,13 @@ def tile_config(dtype: torch.dtype, group: int) -> TileConfig:
     (8 warps, 2 stages: 255 / 188 / 100 KiB). 32 rows fall back to mma.sync (BLOCK_N = 32,
     8 warps: 153 / 0 / 52 KiB) and read K/V once per 4 tokens instead of 8. Rounding P to
     bf16 once instead (64 rows, BLOCK_N = 32, 8 warps: 202 / 0) raised the mean error to
-    1.6x the bf16 reference's (interpreter, pi05 heads)."""
-    rows = TILE_ROWS_FP32 if dtype == torch.float32 else TILE_ROWS
+    1.6x the bf16 reference's (interpreter, pi05 heads). fp32 (ieee dots, no tensor cores):
+    32 rows, BLOCK_N = 16, 8 warps: 128 / 0 / 66 KiB; BLOCK_N = 32 spills at 4 or 8 warps."""
+    fp32 = dtype == torch.float32
+    rows = TILE_ROWS_FP32 if fp32 else TILE_ROWS
     group_pad = pow2(group, 1)
     block_m = max(1, rows // group_pad)  # group 32 keeps 2 tokens: rows >= 16 for tl.dot
-    block_n = 32 if dtype == torch.float32 else 16
-    return TileConfig(block_m, group_pad, block_n, num_warps=4, num_stages=2)
+    return TileConfig(block_m, group_pad, block_n=16, num_warps=8 if fp32 else 4, num_stages=2)
 
 
 if triton is not None:
