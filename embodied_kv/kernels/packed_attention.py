@@ -112,7 +112,7 @@ def packed_attention_ref(
     return out
 
 
-# --- Triton kernels ----------------------------------------------------------------------
+# --- Triton kernel ----------------------------------------------------------------------
 #
 # Two kernels, one per access pattern, each correct for every input of the contract:
 #   kernels/decode_splitk.py  split-K (flash-decoding) + reduce: few tokens, each reading a
