@@ -119,8 +119,9 @@ def packed_attention_ref(
 #                             whole slot, spread over NUM_SPLITS programs per (token, KV head)
 #   kernels/prefill_tile.py   BLOCK_M tokens × the query heads of one KV head per program: runs
 #                             of one slot (prefill, mixed steps) read K/V once per tile
-# `packed_attention_kernel` picks one without a host sync. The choice changes speed only, and
-# bytes only between the two kernels: each kernel alone is batch-invariant. Supported range:
+# `packed_attention_kernel` picks one without a host sync. The choice changes the speed and the
+# rounding (summation orders differ), never the contract; each kernel alone is batch-invariant
+# (a token's bytes do not depend on the other tokens of its step). Supported range:
 # fp32 / bf16 / fp16, head_dim <= 256, Hq / Hkv <= 32, contiguous last dims (module headers).
 #
 # Every configuration pi05 uses (bf16, D = 256, 8 query heads per KV head) compiles for sm_90
@@ -209,6 +210,8 @@ def packed_attention_kernel(
             f"packed_attention_kernel runs on CUDA (or on CPU with TRITON_INTERPRET=1 set "
             f"before this module is imported), got {q.device}"
         )
+    if out is not None and out.dtype != q.dtype:
+        raise ValueError(f"out dtype {out.dtype} differs from q's {q.dtype}")
     result = torch.empty_like(q) if out is None else out
     # The interpreter truncates fp32 -> 16-bit casts (triton 3.9) where GPUs round to nearest
     # even, so under it the kernels write fp32 and torch rounds.

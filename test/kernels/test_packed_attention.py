@@ -143,6 +143,8 @@ def test_kernel_rejects_bad_inputs(kernel, make_inputs):
         pa.packed_attention_kernel(q, k, v, slot.float(), kv_len, scale)
     with pytest.raises(ValueError, match="out"):
         pa.packed_attention_kernel(q, k, v, slot, kv_len, scale, out=q[:, :2])
+    with pytest.raises(ValueError, match="out dtype"):
+        pa.packed_attention_kernel(q, k, v, slot, kv_len, scale, out=q.half())
     with pytest.raises(RuntimeError, match="contiguous"):
         pa.packed_attention_kernel(q[..., ::2], k[..., ::2], v[..., ::2], slot, kv_len, scale)
     big = torch.zeros(1, 1, 1, 512, device=q.device)
