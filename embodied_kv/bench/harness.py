@@ -80,7 +80,7 @@ class Environment:
     threads: int  # torch intra-op threads
     command: str  # the exact command line of the process (python + sys.argv)
     bench_argv: list  # the arguments the bench itself parsed
-    load_start: tuple[float, float, float]  # os.getloadavg(): 1, 5, 15 min
+    load_start: list  # os.getloadavg(): 1, 5, 15 min averages
     versions: dict
     started: float  # perf_counter at start
 
@@ -94,7 +94,7 @@ class Environment:
             threads=torch.get_num_threads(),
             command=shlex.join([sys.executable, *sys.argv]),
             bench_argv=list(sys.argv[1:] if argv is None else argv),
-            load_start=os.getloadavg(),
+            load_start=list(os.getloadavg()),
             versions=versions(),
             started=time.perf_counter(),
         )
@@ -102,7 +102,7 @@ class Environment:
     def record(self) -> dict:
         d = asdict(self)
         d.pop("started")
-        d["load_end"] = os.getloadavg()
+        d["load_end"] = list(os.getloadavg())
         d["cpu_count"] = os.cpu_count()
         d["wall_s"] = time.perf_counter() - self.started
         return d
