@@ -14,9 +14,15 @@ the step planner (kv/step.py) computes. Hq must be a multiple of Hkv (MQA / GQA)
 
 The reference is also the CPU hot path, so it is written to be batch-invariant: the
 result for a token does not depend on which other tokens share the step. CPU fp32
-GEMMs round differently for small row counts (measured: M in 1..11 except 4 and 8
-disagree with M >= 12), so each run of a slot is padded to ROW_BUCKET query rows and
-its keys to a multiple of KEY_BLOCK; masked keys contribute exact zeros.
+GEMMs round differently for small row counts: measured here (torch 2.13 CPU, one
+thread, every GEMM shape of the tiny preset, `bench step` records the probe) rows
+1..3 disagree with >= 4 rows, and an earlier torch build disagreed at 1..11 except 4
+and 8, so the multiples of ROW_BUCKET = 4 agree on both. A step is padded once to a
+multiple of ROW_BUCKET tokens (kv/step.py); inside attention a run of n tokens of one
+slot is a [n * group, D] GEMM, padded only where n * group < ROW_BUCKET. Runs with the
+same (tokens, key bucket) go through one batched GEMM (a batch entry rounds as it does
+alone) and keys are padded to a multiple of KEY_BLOCK; masked keys contribute exact
+zeros. So a decode of B slots is a few batched GEMMs, not B padded ones.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ try:
 except ImportError:  # CPU-only installs run the reference; the kernel wrapper says why it can't
     triton = None
 
-ROW_BUCKET = 16  # query rows per run are padded to a multiple of this (>= 12 is batch-invariant)
+ROW_BUCKET = 4  # tokens per step and GEMM rows per run are padded to a multiple of this
 KEY_BLOCK = 64  # keys per run are padded to a multiple of this
 
 Run = tuple[int, int, int]  # (slot, first token index, number of tokens)
@@ -38,6 +44,15 @@ Run = tuple[int, int, int]  # (slot, first token index, number of tokens)
 def bucket(n: int, size: int = ROW_BUCKET) -> int:
     """Smallest multiple of `size` that holds n (at least one bucket)."""
     return max(size, -(-n // size) * size)
+
+
+def run_rows(n: int, group: int) -> int:
+    """Query rows a run of n tokens is padded to, so that its [rows * group, D] GEMM has a
+    batch-invariant row count (a multiple of ROW_BUCKET): n itself whenever group is."""
+    rows = n
+    while (rows * group) % ROW_BUCKET:
+        rows += 1
+    return rows
 
 
 def contiguous_runs(slot: torch.Tensor) -> list[Run]:
@@ -81,30 +96,46 @@ def packed_attention_ref(
         runs = contiguous_runs(slot)
     if kv_len_host is None:
         kv_len_host = kv_len.cpu()
-    n_tok, hq, d = q.shape
-    t_max, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
+    assert sum(n for _, _, n in runs) == q.shape[0]
+    t_max = k_cache.shape[1]
     out = torch.empty_like(q)
-    for s, start, n in runs:
-        lens = kv_len[start : start + n]
+    groups: dict[tuple[int, int], list[Run]] = {}
+    for run in runs:
+        _, start, n = run
         t = min(t_max, bucket(int(kv_len_host[start : start + n].max()), KEY_BLOCK))
-        rows = bucket(n)
-        qs = q.new_zeros((rows, hq, d), dtype=torch.float32)
-        qs[:n] = q[start : start + n]
-        qs = qs.view(rows, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, rows * group, d)
-        k = k_cache[s, :t].float().permute(1, 2, 0)  # [Hkv, D, t]
-        v = v_cache[s, :t].float().permute(1, 0, 2)  # [Hkv, t, D]
-        scores = torch.matmul(qs, k) * scale  # [Hkv, rows*group, t]
-        keep = torch.ones(rows, dtype=lens.dtype, device=lens.device)
-        keep[:n] = lens
-        masked = torch.arange(t, device=q.device)[None, :] >= keep[:, None]  # [rows, t]
-        masked = masked.repeat_interleave(group, dim=0)
-        scores = scores.masked_fill(masked[None], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, rows*group, D]
-        o = o.view(hkv, rows, group, d).permute(1, 0, 2, 3).reshape(rows, hq, d)
-        out[start : start + n] = o[:n].to(q.dtype)
-    assert sum(n for _, _, n in runs) == n_tok
+        groups.setdefault((n, t), []).append(run)
+    for (n, t), same in groups.items():
+        _attend_runs(q, k_cache, v_cache, kv_len, scale, same, n, t, out)
     return out
+
+
+def _attend_runs(q, k_cache, v_cache, kv_len, scale, runs, n: int, t: int, out) -> None:
+    """Attention for G runs of n tokens each that read t keys: one batched GEMM pair.
+
+    q [N, Hq, D] -> out rows of these runs; scores [G * Hkv, rows * group, t]."""
+    _, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    g = len(runs)
+    rows = run_rows(n, group)
+    dev = q.device
+    slots = torch.tensor([s for s, _, _ in runs], device=dev)
+    idx = (torch.tensor([st for _, st, _ in runs])[:, None] + torch.arange(n)).to(dev)  # [G, n]
+    qs = q[idx].float()  # [G, n, Hq, D]
+    lens = kv_len[idx]  # [G, n]
+    if rows > n:  # padded rows attend to key 0 only and are dropped
+        qs = torch.cat([qs, qs.new_zeros(g, rows - n, hq, d)], dim=1)
+        lens = torch.cat([lens, lens.new_ones(g, rows - n)], dim=1)
+    qs = qs.view(g, rows, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(g * hkv, rows * group, d)
+    k = k_cache[slots, :t].float().permute(0, 2, 3, 1).reshape(g * hkv, d, t)
+    v = v_cache[slots, :t].float().permute(0, 2, 1, 3).reshape(g * hkv, t, d)
+    scores = torch.matmul(qs, k) * scale  # [G*Hkv, rows*group, t]
+    masked = torch.arange(t, device=dev) >= lens[..., None]  # [G, rows, t]
+    masked = masked.repeat_interleave(group, dim=1).repeat_interleave(hkv, dim=0)
+    scores = scores.masked_fill(masked, float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [G*Hkv, rows*group, D]
+    o = o.view(g, hkv, rows, group, d).permute(0, 2, 1, 3, 4).reshape(g, rows, hq, d)
+    out[idx] = o[:, :n].to(q.dtype)
 
 
 # --- Triton kernel ----------------------------------------------------------------------

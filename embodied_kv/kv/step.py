@@ -3,7 +3,7 @@
 A step is a list of segments, each some new tokens of one slot. Laid out flat:
 
     token:   | s2 s2 s2 s2 | s0 | s5 | pad pad ... pad |
-    segment: | prefill(4)  | dec| dec| scratch slot    |   padded to a ROW_BUCKET multiple
+    segment: | prefill(4)  | dec| dec| scratch slot    |   padded once, to a ROW_BUCKET multiple
 
 Token j of a segment of slot s (rows already valid: len) writes row len + j and reads
 rows [0, len + j + 1) if the segment is causal, [0, len + n) if bidirectional (the
