@@ -28,6 +28,7 @@ zeros. So a decode of B slots is a few batched GEMMs, not B padded ones.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -90,19 +91,22 @@ def packed_attention_ref(
     kv_len_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch packed attention. `runs` and `kv_len_host` (CPU copies the planner
-    already has) avoid device syncs; without them they are derived here."""
+    already has) avoid device syncs; without them they are derived here. Tokens in no
+    run (a step's padding, which the planner leaves out) get zeros."""
     check_shapes(q, k_cache, v_cache, slot, kv_len)
     if runs is None:
         runs = contiguous_runs(slot)
     if kv_len_host is None:
         kv_len_host = kv_len.cpu()
-    assert sum(n for _, _, n in runs) == q.shape[0]
     t_max = k_cache.shape[1]
-    out = torch.empty_like(q)
+    covered = sum(n for _, _, n in runs)
+    assert covered <= q.shape[0]
+    out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
+    lens = kv_len_host.tolist()
     groups: dict[tuple[int, int], list[Run]] = {}
     for run in runs:
         _, start, n = run
-        t = min(t_max, bucket(int(kv_len_host[start : start + n].max()), KEY_BLOCK))
+        t = min(t_max, bucket(max(lens[start : start + n]), KEY_BLOCK))
         groups.setdefault((n, t), []).append(run)
     for (n, t), same in groups.items():
         _attend_runs(q, k_cache, v_cache, kv_len, scale, same, n, t, out)
@@ -112,30 +116,39 @@ def packed_attention_ref(
 def _attend_runs(q, k_cache, v_cache, kv_len, scale, runs, n: int, t: int, out) -> None:
     """Attention for G runs of n tokens each that read t keys: one batched GEMM pair.
 
-    q [N, Hq, D] -> out rows of these runs; scores [G * Hkv, rows * group, t]."""
+    q [N, Hq, D] -> out rows of these runs; scores [G, Hkv, rows * group, t]."""
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     g = len(runs)
     rows = run_rows(n, group)
     dev = q.device
-    slots = torch.tensor([s for s, _, _ in runs], device=dev)
-    idx = (torch.tensor([st for _, st, _ in runs])[:, None] + torch.arange(n)).to(dev)  # [G, n]
-    qs = q[idx].float()  # [G, n, Hq, D]
-    lens = kv_len[idx]  # [G, n]
+    if g == 1:  # views, no gathers: a prefill, or a decode of one slot
+        s, start, _ = runs[0]
+        idx = slice(start, start + n)
+        qs, lens = q[idx].unsqueeze(0), kv_len[idx].unsqueeze(0)  # [1, n, Hq, D], [1, n]
+        k, v = k_cache[s, :t].unsqueeze(0), v_cache[s, :t].unsqueeze(0)  # [1, t, Hkv, D]
+    else:
+        slots = torch.tensor([s for s, _, _ in runs], device=dev)
+        idx = torch.tensor([st + j for _, st, _ in runs for j in range(n)], device=dev)  # [G*n]
+        qs, lens = q.index_select(0, idx).view(g, n, hq, d), kv_len[idx].view(g, n)
+        k = k_cache[:, :t].index_select(0, slots)  # [G, t, Hkv, D]
+        v = v_cache[:, :t].index_select(0, slots)
+    qs = qs.float()
     if rows > n:  # padded rows attend to key 0 only and are dropped
         qs = torch.cat([qs, qs.new_zeros(g, rows - n, hq, d)], dim=1)
         lens = torch.cat([lens, lens.new_ones(g, rows - n)], dim=1)
-    qs = qs.view(g, rows, hkv, group, d).permute(0, 2, 1, 3, 4).reshape(g * hkv, rows * group, d)
-    k = k_cache[slots, :t].float().permute(0, 2, 3, 1).reshape(g * hkv, d, t)
-    v = v_cache[slots, :t].float().permute(0, 2, 1, 3).reshape(g * hkv, t, d)
-    scores = torch.matmul(qs, k) * scale  # [G*Hkv, rows*group, t]
-    masked = torch.arange(t, device=dev) >= lens[..., None]  # [G, rows, t]
-    masked = masked.repeat_interleave(group, dim=1).repeat_interleave(hkv, dim=0)
-    scores = scores.masked_fill(masked, float("-inf"))
-    o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [G*Hkv, rows*group, D]
-    o = o.view(g, hkv, rows, group, d).permute(0, 2, 1, 3, 4).reshape(g, rows, hq, d)
-    out[idx] = o[:, :n].to(q.dtype)
+    qs = qs.view(g, rows, hkv, group, d).transpose(1, 2).reshape(g, hkv, rows * group, d)
+    keep = torch.arange(t, device=dev) < lens.unsqueeze(-1)  # [G, rows, t]
+    keep = keep.unsqueeze(2).expand(g, rows, group, t).reshape(g, 1, rows * group, t)
+    o = F.scaled_dot_product_attention(
+        qs, k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=keep, scale=scale
+    )  # [G, Hkv, rows*group, D]
+    o = o.view(g, hkv, rows, group, d).transpose(1, 2)[:, :n].reshape(g * n, hq, d)
+    if g == 1:
+        out[idx] = o.to(q.dtype)
+    else:
+        out.index_copy_(0, idx, o.to(q.dtype))
 
 
 # --- Triton kernel ----------------------------------------------------------------------

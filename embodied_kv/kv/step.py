@@ -37,7 +37,8 @@ class PackedStep:
     row: torch.Tensor  # [L, Np] int64, device: where each token's K/V goes
     kv_len: torch.Tensor  # [L, Np] int64, device: rows each token reads
     kv_len_host: torch.Tensor  # [L, Np] int64, host copy (no sync in the reference)
-    runs: list[Run]  # contiguous runs of one slot (host)
+    runs: list[Run]  # contiguous runs of one slot (host); the padding is in none: its
+    # attention output is never read, so the reference skips it
     last: list[int]  # index of each segment's last token
 
     @property
@@ -92,7 +93,6 @@ def plan_step(
         position[n_real:] = 0
         row[:, n_real:] = j
         kv_len[:, n_real:] = j + 1
-        runs.append((arena.scratch_slot, n_real, n_pad - n_real))
     dev = arena.device
     return PackedStep(
         segments=tuple(segments),
