@@ -14,14 +14,21 @@ the step planner (kv/step.py) computes. Hq must be a multiple of Hkv (MQA / GQA)
 
 The reference is also the CPU hot path, so it is written to be batch-invariant: the
 result for a token does not depend on which other tokens share the step. CPU fp32
-GEMMs round differently for small row counts (measured: M in 1..11 except 4 and 8
-disagree with M >= 12), so each run of a slot is padded to ROW_BUCKET query rows and
-its keys to a multiple of KEY_BLOCK; masked keys contribute exact zeros.
+GEMMs round differently for small row counts: measured here (torch 2.13 CPU, one
+thread, every GEMM shape of the tiny preset, `bench step` records the probe) rows
+1..3 disagree with >= 4 rows, and an earlier torch build disagreed at 1..11 except 4
+and 8, so the multiples of ROW_BUCKET = 4 agree on both. A step is padded once to a
+multiple of ROW_BUCKET tokens (kv/step.py); inside attention a run of n tokens of one
+slot is a [n * group, D] GEMM, padded only where n * group < ROW_BUCKET. Runs with the
+same (tokens, key bucket) go through one batched GEMM (a batch entry rounds as it does
+alone) and keys are padded to a multiple of KEY_BLOCK; masked keys contribute exact
+zeros. So a decode of B slots is a few batched GEMMs, not B padded ones.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from embodied_kv.kernels.decode_splitk import plan_splitk
 from embodied_kv.kernels.prefill_tile import plan_tile
@@ -34,7 +41,7 @@ from embodied_kv.kernels.triton_base import (  # triton is None where it is not 
     triton,
 )
 
-ROW_BUCKET = 16  # query rows per run are padded to a multiple of this (>= 12 is batch-invariant)
+ROW_BUCKET = 4  # tokens per step and GEMM rows per run are padded to a multiple of this
 KEY_BLOCK = 64  # keys per run are padded to a multiple of this
 
 Run = tuple[int, int, int]  # (slot, first token index, number of tokens)
@@ -43,6 +50,15 @@ Run = tuple[int, int, int]  # (slot, first token index, number of tokens)
 def bucket(n: int, size: int = ROW_BUCKET) -> int:
     """Smallest multiple of `size` that holds n (at least one bucket)."""
     return max(size, -(-n // size) * size)
+
+
+def run_rows(n: int, group: int) -> int:
+    """Query rows a run of n tokens is padded to, so that its [rows * group, D] GEMM has a
+    batch-invariant row count (a multiple of ROW_BUCKET): n itself whenever group is."""
+    rows = n
+    while (rows * group) % ROW_BUCKET:
+        rows += 1
+    return rows
 
 
 def contiguous_runs(slot: torch.Tensor) -> list[Run]:
@@ -80,36 +96,64 @@ def packed_attention_ref(
     kv_len_host: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch packed attention. `runs` and `kv_len_host` (CPU copies the planner
-    already has) avoid device syncs; without them they are derived here."""
+    already has) avoid device syncs; without them they are derived here. Tokens in no
+    run (a step's padding, which the planner leaves out) get zeros."""
     check_shapes(q, k_cache, v_cache, slot, kv_len)
     if runs is None:
         runs = contiguous_runs(slot)
     if kv_len_host is None:
         kv_len_host = kv_len.cpu()
-    n_tok, hq, d = q.shape
-    t_max, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    out = torch.empty_like(q)
-    for s, start, n in runs:
-        lens = kv_len[start : start + n]
-        t = min(t_max, bucket(int(kv_len_host[start : start + n].max()), KEY_BLOCK))
-        rows = bucket(n)
-        qs = q.new_zeros((rows, hq, d), dtype=torch.float32)
-        qs[:n] = q[start : start + n]
-        qs = qs.view(rows, hkv, group, d).permute(1, 0, 2, 3).reshape(hkv, rows * group, d)
-        k = k_cache[s, :t].float().permute(1, 2, 0)  # [Hkv, D, t]
-        v = v_cache[s, :t].float().permute(1, 0, 2)  # [Hkv, t, D]
-        scores = torch.matmul(qs, k) * scale  # [Hkv, rows*group, t]
-        keep = torch.ones(rows, dtype=lens.dtype, device=lens.device)
-        keep[:n] = lens
-        masked = torch.arange(t, device=q.device)[None, :] >= keep[:, None]  # [rows, t]
-        masked = masked.repeat_interleave(group, dim=0)
-        scores = scores.masked_fill(masked[None], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, rows*group, D]
-        o = o.view(hkv, rows, group, d).permute(1, 0, 2, 3).reshape(rows, hq, d)
-        out[start : start + n] = o[:n].to(q.dtype)
-    assert sum(n for _, _, n in runs) == n_tok
+    t_max = k_cache.shape[1]
+    covered = sum(n for _, _, n in runs)
+    assert covered <= q.shape[0]
+    out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
+    lens = kv_len_host.tolist()
+    groups: dict[tuple[int, int], list[Run]] = {}
+    for run in runs:
+        _, start, n = run
+        t = min(t_max, bucket(max(lens[start : start + n]), KEY_BLOCK))
+        groups.setdefault((n, t), []).append(run)
+    for (n, t), same in groups.items():
+        _attend_runs(q, k_cache, v_cache, kv_len, scale, same, n, t, out)
     return out
+
+
+def _attend_runs(q, k_cache, v_cache, kv_len, scale, runs, n: int, t: int, out) -> None:
+    """Attention for G runs of n tokens each that read t keys: one batched GEMM pair.
+
+    q [N, Hq, D] -> out rows of these runs; scores [G, Hkv, rows * group, t]."""
+    _, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    g = len(runs)
+    rows = run_rows(n, group)
+    dev = q.device
+    if g == 1:  # views, no gathers: a prefill, or a decode of one slot
+        s, start, _ = runs[0]
+        idx = slice(start, start + n)
+        qs, lens = q[idx].unsqueeze(0), kv_len[idx].unsqueeze(0)  # [1, n, Hq, D], [1, n]
+        k, v = k_cache[s, :t].unsqueeze(0), v_cache[s, :t].unsqueeze(0)  # [1, t, Hkv, D]
+    else:
+        slots = torch.tensor([s for s, _, _ in runs], device=dev)
+        idx = torch.tensor([st + j for _, st, _ in runs for j in range(n)], device=dev)  # [G*n]
+        qs, lens = q.index_select(0, idx).view(g, n, hq, d), kv_len[idx].view(g, n)
+        k = k_cache[:, :t].index_select(0, slots)  # [G, t, Hkv, D]
+        v = v_cache[:, :t].index_select(0, slots)
+    qs = qs.float()
+    if rows > n:  # padded rows attend to key 0 only and are dropped
+        qs = torch.cat([qs, qs.new_zeros(g, rows - n, hq, d)], dim=1)
+        lens = torch.cat([lens, lens.new_ones(g, rows - n)], dim=1)
+    qs = qs.view(g, rows, hkv, group, d).transpose(1, 2).reshape(g, hkv, rows * group, d)
+    keep = torch.arange(t, device=dev) < lens.unsqueeze(-1)  # [G, rows, t]
+    keep = keep.unsqueeze(2).expand(g, rows, group, t).reshape(g, 1, rows * group, t)
+    o = F.scaled_dot_product_attention(
+        qs, k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=keep, scale=scale
+    )  # [G, Hkv, rows*group, D]
+    o = o.view(g, hkv, rows, group, d).transpose(1, 2)[:, :n].reshape(g * n, hq, d)
+    if g == 1:
+        out[idx] = o.to(q.dtype)
+    else:
+        out.index_copy_(0, idx, o.to(q.dtype))
 
 
 # --- Triton kernel ----------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A step is a list of segments, each some new tokens of one slot. Laid out flat:
 
     token:   | s2 s2 s2 s2 | s0 | s5 | pad pad ... pad |
-    segment: | prefill(4)  | dec| dec| scratch slot    |   padded to a ROW_BUCKET multiple
+    segment: | prefill(4)  | dec| dec| scratch slot    |   padded once, to a ROW_BUCKET multiple
 
 Token j of a segment of slot s (rows already valid: len) writes row len + j and reads
 rows [0, len + j + 1) if the segment is causal, [0, len + n) if bidirectional (the
@@ -37,7 +37,8 @@ class PackedStep:
     row: torch.Tensor  # [L, Np] int64, device: where each token's K/V goes
     kv_len: torch.Tensor  # [L, Np] int64, device: rows each token reads
     kv_len_host: torch.Tensor  # [L, Np] int64, host copy (no sync in the reference)
-    runs: list[Run]  # contiguous runs of one slot (host)
+    runs: list[Run]  # contiguous runs of one slot (host); the padding is in none: its
+    # attention output is never read, so the reference skips it
     last: list[int]  # index of each segment's last token
 
     @property
@@ -58,9 +59,10 @@ def plan_step(
         if seg.slot in seen or not 0 <= seg.slot < spec.num_slots or seg.n < 1:
             raise ValueError(f"bad segment {seg} (slots must be distinct, in range, n >= 1)")
         seen.add(seg.slot)
-        if arena.slot_len(seg.slot) + seg.n > spec.max_len:
+        held = arena.slot_len(seg.slot)
+        if held + seg.n > spec.max_len:
             raise ValueError(
-                f"slot {seg.slot} holds {arena.slot_len(seg.slot)} rows; {seg.n} more exceed "
+                f"slot {seg.slot} holds {held} rows; {seg.n} more exceed "
                 f"max_len={spec.max_len}"
             )
     n_real = sum(s.n for s in segments)
@@ -69,30 +71,31 @@ def plan_step(
         raise ValueError(
             f"padding {n_pad - n_real} tokens exceeds the scratch slot ({spec.max_len})"
         )
-    L = spec.num_layers
-    slot = torch.empty(n_pad, dtype=torch.int64)
-    position = torch.empty(n_pad, dtype=torch.int64)
-    row = torch.empty(L, n_pad, dtype=torch.int64)
-    kv_len = torch.empty(L, n_pad, dtype=torch.int64)
+    # Per token, built as host lists then one tensor each (a decode step is small and
+    # Python-bound): its slot, index j in its segment, rows it reads past the slot's
+    # length, and position. Padding: scratch slot (length 0), reads rows [0, j + 1).
+    tok_slot, tok_j, tok_reach, tok_pos = [], [], [], []
     runs, last, start = [], [], 0
     for seg in segments:
-        j = torch.arange(seg.n)
-        base = arena.length[:, seg.slot].unsqueeze(1)  # [L, 1]
-        end = start + seg.n
-        slot[start:end] = seg.slot
-        position[start:end] = int(arena.next_pos[seg.slot]) + j
-        row[:, start:end] = base + j
-        kv_len[:, start:end] = base + (j + 1 if seg.causal else seg.n)
+        p0 = int(arena.next_pos[seg.slot])
+        tok_slot += [seg.slot] * seg.n
+        tok_j += range(seg.n)
+        tok_reach += range(1, seg.n + 1) if seg.causal else [seg.n] * seg.n
+        tok_pos += range(p0, p0 + seg.n)
         runs.append((seg.slot, start, seg.n))
-        last.append(end - 1)
-        start = end
-    if n_pad > n_real:
-        j = torch.arange(n_pad - n_real)
-        slot[n_real:] = arena.scratch_slot
-        position[n_real:] = 0
-        row[:, n_real:] = j
-        kv_len[:, n_real:] = j + 1
-        runs.append((arena.scratch_slot, n_real, n_pad - n_real))
+        start += seg.n
+        last.append(start - 1)
+    pad = n_pad - n_real
+    tok_slot += [arena.scratch_slot] * pad
+    tok_j += range(pad)
+    tok_reach += range(1, pad + 1)
+    tok_pos += [0] * pad
+    slot = torch.tensor(tok_slot, dtype=torch.int64)
+    j = torch.tensor(tok_j, dtype=torch.int64)
+    base = arena.length[:, slot]  # [L, Np]; the scratch slot's length stays 0 (never committed)
+    row = base + j
+    kv_len = base + torch.tensor(tok_reach, dtype=torch.int64)
+    position = torch.tensor(tok_pos, dtype=torch.int64)
     dev = arena.device
     return PackedStep(
         segments=tuple(segments),

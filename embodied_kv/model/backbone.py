@@ -34,11 +34,11 @@ class GemmaBackbone(nn.Module):
 
         Writes every token's K/V into its arena row; reads what kv_len allows."""
         assert x.shape[0] == step.n_padded
+        cos_sin = self.rope.at(step.position)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x))
-            q = self.rope(q, step.position)
-            k = self.rope(k, step.position)
+            q, k = self.rope.rotate(q, cos_sin), self.rope.rotate(k, cos_sin)
             k_cache, v_cache = arena.k[i], arena.v[i]
             k_cache[step.slot, step.row[i]] = k.to(k_cache.dtype)
             v_cache[step.slot, step.row[i]] = v.to(v_cache.dtype)

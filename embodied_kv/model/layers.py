@@ -110,8 +110,16 @@ class Rope(nn.Module):
 
     def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """x [N, H, D], position [N] -> x rotated, same dtype."""
-        cos = self.cos[position][:, None, :]  # [N, 1, D/2]
-        sin = self.sin[position][:, None, :]
+        return self.rotate(x, self.at(position))
+
+    def at(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, D/2] of `position` [N]: gathered once per step, used by every layer."""
+        return self.cos[position][:, None, :], self.sin[position][:, None, :]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [N, H, D] rotated by `at`'s tables, same dtype."""
+        cos, sin = cos_sin
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
