@@ -61,8 +61,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model=None):
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        self.model = model or load_model(cfg)
-        c = self.model.cfg
+        c = model.cfg if model is not None else get_preset(cfg.preset)
         self.lock = threading.RLock()
         loop_cfg = LoopConfig(
             period_s=cfg.period_s,
@@ -72,7 +71,9 @@ class Engine:
             max_decode_steps=cfg.max_decode_steps,
             seed=cfg.seed,
         )
-        self.manager = KVCacheManager(self.model, cfg.num_slots, arena_rows(cfg, c, loop_cfg))
+        rows = arena_rows(cfg, c, loop_cfg)  # a bad max_len fails before any weight is built
+        self.model = model or load_model(cfg)
+        self.manager = KVCacheManager(self.model, cfg.num_slots, rows)
         self.queue = ActionQueue(c.action_horizon, c.action_dim, cfg.blend)
         self.loop = FrameLoop(self.manager, self.queue, loop_cfg)
         self.store = CapsuleStore(cfg.store, self.model.device)
