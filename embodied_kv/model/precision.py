@@ -1,14 +1,19 @@
 """Which parameters keep fp32 when the model runs in bf16, as the references do.
 
-    fp32   vision tower + projector      LeRobot PaliGemmaWithExpertModel.
-                                         to_bfloat16_for_selected_params ("vision_tower",
-                                         "multi_modal_projector"); openpi keeps the patch
-                                         and position embeddings
-           every RMSNorm weight and      both: "input_layernorm", "post_attention_layernorm",
-           adaptive-norm dense layer     "model.norm" (the adaRMS dense is inside them)
-           action in/out projections,    openpi pi0_pytorch / LeRobot PI05Pytorch: these live
-           time MLP                      outside paligemma_with_expert, which alone is cast
-    bf16   token embedding (= LM head), backbone and expert attention and MLP projections
+    fp32   SigLIP patch + position        openpi gemma_pytorch.to_bfloat16_for_selected_params
+           embeddings
+           every RMSNorm weight and      openpi and LeRobot: "input_layernorm",
+           adaptive-norm dense layer     "post_attention_layernorm", "model.norm" (the adaRMS
+                                         dense layers sit inside them)
+           action in/out projections,    openpi pi0_pytorch / LeRobot PI05Pytorch: they live
+           time MLP                      outside paligemma_with_expert, the part that is cast
+    bf16   token embedding (= LM head), backbone and expert projections, the SigLIP
+           encoder and the projector
+
+LeRobot's newest PaliGemmaWithExpertModel keeps the whole vision tower and projector
+fp32 (to keep the optimizer's dtypes fixed in training). Here openpi's inference choice
+is followed: an fp32 SigLIP is 0.6 TFLOP per 3-camera frame at fp32 GEMM rates, 9 ms on
+an H100 without TF32, more than the whole bf16 budget (PI05_FACTS.md: 6.6 ms).
 
 The Euler state of the flow is fp32 too (model/expert.py). Dtypes are set on the meta
 device, before any byte is allocated (`build_model`): no fp32 copy of the bf16
@@ -26,7 +31,8 @@ from embodied_kv.model.layers import AdaRMSNorm, RMSNorm
 def fp32_modules(model: nn.Module) -> list[nn.Module]:
     """The VLA's submodules whose parameters stay fp32 under a low-precision dtype."""
     e = model.expert
-    keep = [model.vision, e.action_in_proj, e.action_out_proj, e.time_mlp_in, e.time_mlp_out]
+    keep = [model.vision.tower.embeddings, e.action_in_proj, e.action_out_proj]
+    keep += [e.time_mlp_in, e.time_mlp_out]
     keep += [m for m in model.modules() if isinstance(m, RMSNorm | AdaRMSNorm)]
     return keep
 

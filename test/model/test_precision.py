@@ -18,11 +18,18 @@ from embodied_kv.model.weights import (
     weights_identity,
 )
 
-FP32_GROUPS = ("vision.", "expert.action_in_proj.", "expert.action_out_proj.", "expert.time_mlp")
+FP32_GROUPS = (
+    "vision.tower.embeddings.",  # openpi: patch and position embeddings
+    "expert.action_in_proj.",
+    "expert.action_out_proj.",
+    "expert.time_mlp",
+)
 
 
 def is_norm(name: str) -> bool:
-    return "layernorm" in name or name.startswith(("backbone.norm.", "expert.norm."))
+    """The Gemma norms (RMSNorm, adaptive RMSNorm's dense layers); not SigLIP's."""
+    gemma = name.startswith(("backbone.", "expert."))
+    return gemma and ("layernorm" in name or name.startswith(("backbone.norm.", "expert.norm.")))
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +43,10 @@ def test_parameter_groups_get_the_policy_dtypes(bf16_model):
         (fp32 if name.startswith(FP32_GROUPS) or is_norm(name) else bf16).append(name)
         want = torch.float32 if name in fp32 else torch.bfloat16
         assert p.dtype == want, name
-    assert any(n.startswith("vision.tower.") for n in fp32)
-    assert "vision.projector.weight" in fp32
+    assert "vision.tower.embeddings.patch_embedding.weight" in fp32
+    assert "vision.tower.embeddings.position_embedding.weight" in fp32
+    assert "vision.tower.encoder.layers.0.mlp.fc1.weight" in bf16
+    assert "vision.projector.weight" in bf16
     assert "expert.layers.0.input_layernorm.dense.weight" in fp32  # adaRMS dense
     assert "backbone.layers.0.post_attention_layernorm.weight" in fp32
     assert "backbone.embed_tokens.weight" in bf16  # = the tied LM head
