@@ -59,11 +59,17 @@ def greedy(model, arena, slot, logits, n: int) -> list[int]:
     return out
 
 
+def bench_prefix(model):
+    return model.embed_prefix(synthetic_observation(model.cfg, 0, "bench the capsule"))
+
+
 def measure(model, length: int, repeats: int, sync, disk_dir: str) -> dict:
+    prefix = bench_prefix(model)
+    # a frame prefix (pi05: 3 cameras = 923+ rows) is the shortest boundary there is
+    length = max(length, prefix.embeds.shape[0])
     max_len = 64 * math.ceil((length + CHECK_TOKENS + 64) / 64)
     arena = model.new_arena(2, max_len)
     ident = identity_of(model, arena)
-    prefix = model.embed_prefix(synthetic_observation(model.cfg, 0, "bench the capsule"))
     slot = arena.allocate()
 
     def cold():
@@ -160,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lengths = (128, 512, 2048) if a.quick else (128, 256, 512, 1024, 2048)
     repeats = 3 if a.quick else 5
+    shortest = bench_prefix(model).embeds.shape[0]
+    lengths = sorted({max(n, shortest) for n in lengths})
     with tempfile.TemporaryDirectory(prefix="ekv-capsules-") as disk:
         rows = [measure(model, n, repeats, sync, disk) for n in lengths]
     result = {

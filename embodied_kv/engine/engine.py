@@ -16,11 +16,11 @@ import torch
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.graphs import GraphRunner
-from embodied_kv.engine.policy import LoopConfig
+from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
 from embodied_kv.kv.capsule import capture, check_identity, identity_of, load_slot, restore
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
 from embodied_kv.kv.manager import KVCacheManager, TaskKind
-from embodied_kv.model.config import get_preset
+from embodied_kv.model.config import ModelConfig, get_preset
 from embodied_kv.model.vla import Observation, build_model
 
 EPISODE_START = "episode_start"
@@ -33,7 +33,7 @@ class EngineConfig:
     weights: str = ""  # own-layout or LeRobot pi0.5 safetensors; "" = random from the seed
     tokenizer: str = ""  # pi05: path to the PaliGemma tokenizer
     num_slots: int = 8  # arena slots: the frame in flight + live language requests
-    max_len: int = 512  # arena rows per slot
+    max_len: int = 0  # arena rows per slot; 0 = auto: what the preset needs (arena_rows_needed)
     control_hz: float = 50.0  # action output rate
     replan_every: int = 5  # actions per control cycle: a new chunk every this many ticks
     blend: int = 2  # ticks over which an old and a new chunk are mixed
@@ -49,7 +49,7 @@ class EngineConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
 
     def __post_init__(self):
-        if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0:
+        if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:
             raise ValueError(f"bad engine config: {self}")
 
     @property
@@ -61,11 +61,8 @@ class Engine:
     def __init__(self, cfg: EngineConfig, model=None):
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        self.model = model or load_model(cfg)
-        c = self.model.cfg
+        c = model.cfg if model is not None else get_preset(cfg.preset)
         self.lock = threading.RLock()
-        self.manager = KVCacheManager(self.model, cfg.num_slots, cfg.max_len)
-        self.queue = ActionQueue(c.action_horizon, c.action_dim, cfg.blend)
         loop_cfg = LoopConfig(
             period_s=cfg.period_s,
             narrate_every=cfg.narrate_every,
@@ -74,6 +71,10 @@ class Engine:
             max_decode_steps=cfg.max_decode_steps,
             seed=cfg.seed,
         )
+        rows = arena_rows(cfg, c, loop_cfg)  # a bad max_len fails before any weight is built
+        self.model = model or load_model(cfg)
+        self.manager = KVCacheManager(self.model, cfg.num_slots, rows)
+        self.queue = ActionQueue(c.action_horizon, c.action_dim, cfg.blend)
         self.loop = FrameLoop(self.manager, self.queue, loop_cfg)
         self.store = CapsuleStore(cfg.store, self.model.device)
         self.graphs = None
@@ -234,6 +235,22 @@ class Engine:
         self.frame = int(meta["frame"])
         self.instruction = meta["instruction"]
         self.loop.counters = type(self.loop.counters)(**meta["loop"])
+
+
+def arena_rows(cfg: EngineConfig, model: ModelConfig, loop: LoopConfig) -> int:
+    """cfg.max_len, or what the preset and the language budgets need when it is 0."""
+    needed = arena_rows_needed(model, loop)
+    if cfg.max_len == 0:
+        return needed
+    if cfg.max_len < needed:
+        raise ValueError(
+            f"max_len={cfg.max_len} is too small for preset {model.name!r}: a frame needs "
+            f"{needed} rows per slot ({model.num_cameras} cameras x {model.vision.tokens} "
+            f"image tokens + {model.max_text_tokens} prompt + {model.max_text_tokens} question "
+            f"+ {max(loop.narration_tokens, loop.answer_tokens)} decoded, rounded up); "
+            f"set max_len to {needed} or more, or 0 (auto)"
+        )
+    return cfg.max_len
 
 
 def load_model(cfg: EngineConfig):

@@ -7,7 +7,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kv.manager import TaskKind
+from embodied_kv.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,24 @@ class LoopConfig:
             raise ValueError(f"bad loop config: {self}")
         if min(self.narration_tokens, self.answer_tokens) < 1:
             raise ValueError(f"token budgets must be >= 1: {self}")
+
+
+def arena_rows_needed(model: ModelConfig, loop: LoopConfig) -> int:
+    """Rows per slot that one frame's request needs, so nothing is cut short:
+
+        [ cameras x image tokens | prompt <= max_text_tokens ]   the frame's prefix
+        [ question / plan text <= max_text_tokens ]               what a request appends
+        [ budget - 1 generated tokens ]                           the last one is never fed
+        + 2                                                       manager.create's margin
+
+    rounded up to the arena's key block (pi05: 3 x 256 + 200 + 200 + 48 + 1 -> 1280)."""
+    rows = (
+        model.prefix_tokens_max
+        + model.max_text_tokens
+        + max(loop.narration_tokens, loop.answer_tokens)
+        + 1
+    )
+    return -(-rows // KEY_BLOCK) * KEY_BLOCK
 
 
 @dataclass(frozen=True)

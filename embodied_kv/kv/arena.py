@@ -130,6 +130,9 @@ def check_fits(spec: ArenaSpec, device: torch.device) -> None:
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
+    # blocks torch's caching allocator keeps after frees are taken by no tensor: the
+    # arena's allocation reuses them, though the driver counts them as used
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if spec.bytes + CUDA_HEADROOM_BYTES > free:
         raise RuntimeError(
             f"KV arena needs {spec.bytes / 2**30:.2f} GiB (+{CUDA_HEADROOM_BYTES / 2**30:.0f} GiB "

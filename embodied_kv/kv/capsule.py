@@ -42,7 +42,7 @@ class Stateful(Protocol):
 class Identity:
     """What a capsule must match to be restored: the weights and the config."""
 
-    weights: str  # sha256 of the parameters (model.weights.weights_digest)
+    weights: str  # model.weights.weights_identity: what the weights are (files or seed)
     config: str  # sha256 of the model config JSON and the arena spec
 
 
@@ -172,10 +172,10 @@ def capsule_digest(meta: dict) -> str:
 
 
 def identity_of(model, arena: KVArena) -> Identity:
-    from embodied_kv.model.weights import config_json, weights_digest
+    from embodied_kv.model.weights import config_json, weights_identity
 
     cfg = config_json(model.cfg) + repr(arena.spec)
-    return Identity(weights_digest(model), hashlib.sha256(cfg.encode()).hexdigest())
+    return Identity(weights_identity(model), hashlib.sha256(cfg.encode()).hexdigest())
 
 
 def manager_meta(manager: KVCacheManager) -> dict:

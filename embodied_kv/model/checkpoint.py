@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from embodied_kv.model.config import ModelConfig
-from embodied_kv.model.weights import atomic_save
+from embodied_kv.model.weights import atomic_save, file_weights_id
 
 P = "paligemma_with_expert"
 LEROBOT_PREFIX = "model."  # LeRobot's PI05Policy keeps the network under `self.model`
@@ -210,10 +210,12 @@ def load_pi05_checkpoint(model, path: str | Path) -> LoadReport:
     by_file: dict[Path, list[str]] = {}
     for o, t in plan.items():
         by_file.setdefault(found[t][0], []).append(o)
+    model.weights_id = None  # until every tensor is in (then: the files' identity)
     for f, ours in by_file.items():
         with safe_open(str(f), framework="pt") as h:
             for o in ours:
                 own[o].copy_(h.get_tensor(found[plan[o]][1]))  # copy_ casts dtype and device
+    model.weights_id = file_weights_id(model, files)
     return LoadReport(
         source=str(path),
         loaded=len(plan),

@@ -116,7 +116,23 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def get_preset(name: str, **overrides) -> ModelConfig:
+def get_preset(
+    name: str, layers: int | None = None, vision_layers: int | None = None, **overrides
+) -> ModelConfig:
+    """A preset by name; `layers` (backbone and expert) and `vision_layers` change only
+    the depth, every width stays (CI runs the pi05 widths at 2 layers on a CPU)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    cfg = replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    for what, n in (("layers", layers), ("vision_layers", vision_layers)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{what}={n!r} must be a positive integer")
+    if layers is not None:
+        cfg = replace(
+            cfg,
+            backbone=replace(cfg.backbone, layers=layers),
+            expert=replace(cfg.expert, layers=layers),
+        )
+    if vision_layers is not None:
+        cfg = replace(cfg, vision=replace(cfg.vision, layers=vision_layers))
+    return cfg

@@ -32,6 +32,11 @@ class ActionExpert(nn.Module):
         self.time_mlp_out = nn.Linear(e.width, e.width)
         self.scale = e.head_dim**-0.5
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The residual stream's dtype (the projections'); heads and norms may be fp32."""
+        return self.layers[0].self_attn.q_proj.weight.dtype
+
     def time_cond(self, t: torch.Tensor) -> torch.Tensor:
         """Flow time t [] -> adaRMS condition [W]."""
         c = self.cfg
@@ -48,7 +53,8 @@ class ActionExpert(nn.Module):
         prefix_len: int | torch.Tensor,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """x_t [H, A] at flow time t -> velocity [H, A].
+        """x_t [H, A] at flow time t -> velocity [H, A] in the output head's dtype (fp32
+        under the precision policy; openpi casts the expert's output up before the head).
 
         `rows`: read arena rows [0, rows) and mask those >= prefix_len (a 0-d device
         tensor), so one CUDA graph serves every prefix length up to `rows`."""
@@ -57,7 +63,7 @@ class ActionExpert(nn.Module):
         position = prefix_len + torch.arange(h_len, device=x_t.device)
         n_rows = prefix_len if rows is None else rows
         valid = None if rows is None else torch.arange(rows, device=x_t.device) < prefix_len
-        h = self.action_in_proj(x_t)
+        h = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             xn, gate = layer.input_layernorm(h, cond)
@@ -70,7 +76,7 @@ class ActionExpert(nn.Module):
             xn, gate = layer.post_attention_layernorm(h, cond)
             h = h + layer.mlp(xn) * gate
         h, _ = self.norm(h, cond)
-        return self.action_out_proj(h)
+        return self.action_out_proj(h.to(self.action_out_proj.weight.dtype))
 
     @torch.no_grad()
     def sample(
@@ -81,16 +87,17 @@ class ActionExpert(nn.Module):
         noise: torch.Tensor,
         rows: int | None = None,
     ) -> torch.Tensor:
-        """Euler integration from t=1 (noise [H, A]) to t=0 -> action chunk [H, A].
+        """Euler integration from t=1 (noise [H, A]) to t=0 -> action chunk [H, A] fp32.
 
-        No host-device copies inside, so engine/graphs.py can capture it whole."""
+        The flow state x stays fp32 whatever the model dtype (openpi, LeRobot). No
+        host-device copies inside, so engine/graphs.py can capture it whole."""
         steps = self.cfg.denoise_steps
         dt = -1.0 / steps
-        x = noise.to(self.action_in_proj.weight.dtype)
+        x = noise.float()
         # t_k = 1 + k dt in float64, as the Python float would be, then fp32
         times = (1.0 + torch.arange(steps, dtype=torch.float64, device=x.device) * dt).float()
         for k in range(steps):
-            x = x + dt * self.velocity(x, times[k], arena, slot, prefix_len, rows)
+            x = x + dt * self.velocity(x, times[k], arena, slot, prefix_len, rows).float()
         return x
 
 

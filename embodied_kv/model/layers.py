@@ -38,7 +38,8 @@ class AdaRMSNorm(nn.Module):
         """x [..., W], cond [W] -> (normed [..., W], gate [W])."""
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale, shift, gate = self.dense(cond).float().chunk(3, dim=-1)
+        w = self.dense.weight  # fp32 under the precision policy, like the condition
+        scale, shift, gate = self.dense(cond.to(w.dtype)).float().chunk(3, dim=-1)
         return (normed * (1.0 + scale) + shift).to(x.dtype), gate.to(x.dtype)
 
 

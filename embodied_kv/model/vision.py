@@ -39,5 +39,10 @@ class VisionEncoder(nn.Module):
         s = self.cfg.image_size
         if images.dim() != 4 or tuple(images.shape[1:]) != (3, s, s):
             raise ValueError(f"expected images [C, 3, {s}, {s}], got {tuple(images.shape)}")
-        feats = self.tower(pixel_values=images.to(self.projector.weight.dtype)).last_hidden_state
-        return self.projector(feats)
+        t = self.tower
+        # openpi keeps the patch and position embeddings fp32 (model/precision.py); the
+        # encoder and projector run in the model dtype. = SiglipVisionModel.forward.
+        emb = t.embeddings(images.to(t.embeddings.patch_embedding.weight.dtype))
+        dtype = self.projector.weight.dtype
+        feats = t.post_layernorm(t.encoder(inputs_embeds=emb.to(dtype)).last_hidden_state)
+        return self.projector(feats)  # [C, P, W_backbone]

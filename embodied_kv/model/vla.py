@@ -67,6 +67,7 @@ class VLA(nn.Module):
         self.expert = ActionExpert(cfg, max_pos)
         self.tokenizer = make_tokenizer(cfg.tokenizer, tokenizer_path)
         self.graphs = None  # engine.graphs.GraphRunner over one arena, set on CUDA
+        self.weights_id: str | None = None  # model.weights: what the weights are; None = hash them
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} ids > vocab {cfg.vocab_size}"
@@ -111,16 +112,17 @@ class VLA(nn.Module):
         parts = []
         present = [i for i, m in enumerate(mask) if m]
         if present:
-            imgs = obs.images[present].to(self.device, self.dtype)
-            parts.append(self.vision(imgs).reshape(-1, c.backbone.width))
+            imgs = obs.images[present].to(self.device)  # the tower casts to its own (fp32)
+            parts.append(self.vision(imgs).reshape(-1, c.backbone.width).to(self.dtype))
         parts.append(self.backbone.embed(ids))
         return Prefix(torch.cat(parts, dim=0), prompt.truncated)
 
     def make_noise(self, seed: int) -> torch.Tensor:
-        """Seeded noise [H, A], drawn on the CPU so every device gets the same values."""
+        """Seeded fp32 noise [H, A] (the flow state stays fp32 under bf16), drawn on the
+        CPU so every device gets the same values."""
         g = torch.Generator().manual_seed(seed)
         h = torch.randn(self.cfg.action_horizon, self.cfg.action_dim, generator=g)
-        return h.to(self.device, self.dtype)
+        return h.to(self.device)
 
     # -- the one packed step --------------------------------------------------------------
 
@@ -187,17 +189,24 @@ def build_model(
     dtype: torch.dtype | None = None,
     tokenizer_path: str | None = None,
 ) -> VLA:
-    """A VLA with deterministic random weights (seed cfg.seed), fp32 on CPU, bf16 on CUDA."""
-    from embodied_kv.model.weights import init_weights
+    """A VLA with deterministic random weights (seed cfg.seed), fp32 on CPU, bf16 on CUDA.
+
+    Built on the meta device, given the precision policy's dtypes there
+    (model/precision.py), then allocated once on `device`: no parameter exists in
+    another dtype or on another device first (at pi05 bf16 that is 6.7 GB, not 20)."""
+    from embodied_kv.model.precision import apply_precision
+    from embodied_kv.model.weights import init_weights, random_weights_id
 
     device = torch.device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     with torch.device("meta"):
         model = VLA(cfg, tokenizer_path)
+    apply_precision(model, dtype)
     model = model.to_empty(device=device)
     init_weights(model, cfg.seed)
-    model = model.to(dtype=dtype).eval()
+    model.eval()
     for rope in (model.backbone.rope, model.expert.rope):
         rope.reset_tables()
     model.vision.reset_buffers()
+    model.weights_id = random_weights_id(cfg, dtype, device)
     return model

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,7 +60,8 @@ def config_json(cfg) -> str:
 
 
 def weights_digest(model: nn.Module) -> str:
-    """sha256 over every parameter's name, dtype, shape and bytes (capsules check it)."""
+    """sha256 over every parameter's name, dtype, shape and bytes: copies every weight to
+    the host (seconds at pi05), so the engine uses `weights_identity` instead."""
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         t = p.detach().contiguous().cpu()
@@ -68,18 +70,91 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """safetensors written to a temporary file in the same directory, then renamed."""
+def weights_identity(model: nn.Module) -> str:
+    """What capsules check: the id the builder or loader recorded (`model.weights_id`),
+    else the content hash (a model put together some other way)."""
+    return getattr(model, "weights_id", None) or weights_digest(model)
+
+
+def random_weights_id(cfg, dtype: torch.dtype, device: torch.device) -> str:
+    """Random weights are a function of the config (seed included), the dtypes and the
+    device type (the init generator runs on the device)."""
+    key = {"random": config_json(cfg), "dtype": str(dtype), "device": torch.device(device).type}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def file_weights_id(model: nn.Module, files: list[Path], cache: Path | None = None) -> str:
+    """Weights loaded from `files` into `model`: the files' sha256 (cached by path, size
+    and mtime, so a restart hashes nothing), the config and the parameters' dtypes."""
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    key = {
+        "files": [file_sha256(Path(f), cache) for f in files],
+        "config": config_json(model.cfg),
+        "dtypes": dtypes,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def digest_cache_path() -> Path:
+    base = os.environ.get("EMBODIED_KV_CACHE_DIR") or Path.home() / ".cache" / "embodied_kv"
+    return Path(base) / "weights_digests.json"
+
+
+def file_sha256(path: Path, cache: Path | None = None) -> str:
+    """sha256 of a file's bytes, remembered in `cache` (JSON) under its resolved path,
+    size and mtime; the cache is rewritten atomically and never trusted past a change."""
+    cache = cache or digest_cache_path()
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    if isinstance(known.get(key), str):
+        return known[key]
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    known = {k: v for k, v in known.items() if _still_current(k)}
+    known[key] = digest
+    try:
+        with atomic_path(cache) as tmp:
+            Path(tmp).write_text(json.dumps(known, sort_keys=True, indent=0))
+    except OSError:
+        pass  # a read-only home only costs the next start another hash
+    return digest
+
+
+def _still_current(key: str) -> bool:
+    """A cache entry whose file still exists with that size and mtime."""
+    path, size, mtime = key.rsplit(":", 2)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return f"{st.st_size}:{st.st_mtime_ns}" == f"{size}:{mtime}"
+
+
+@contextmanager
+def atomic_path(path: Path):
+    """A temporary file beside `path` to write, renamed onto `path` if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors written to a temporary file in the same directory, then renamed."""
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata)
 
 
 def save_weights(model, path: str | Path) -> None:
@@ -104,6 +179,7 @@ def load_weights(model, path: str | Path) -> None:
             )
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     assign_state(model, tensors, str(path))
+    model.weights_id = file_weights_id(model, [path])
 
 
 def assign_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -122,5 +198,6 @@ def assign_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
             f"unexpected {unexpected[:20]}{'...' if len(unexpected) > 20 else ''}; "
             f"mis-shaped {bad[:20]}"
         )
+    model.weights_id = None  # other bytes now; the caller that knows their source sets it
     for k, t in tensors.items():
         own[k].copy_(t.to(own[k].dtype))

@@ -84,7 +84,7 @@ class EngineHost:
         engine = Engine(cfg)
         arena = engine.manager.arena
         self._progress(
-            f"KV arena allocated: {cfg.num_slots} slots x {cfg.max_len} rows, "
+            f"KV arena allocated: {cfg.num_slots} slots x {arena.spec.max_len} rows, "
             f"{arena.spec.bytes / 2**20:.1f} MiB; warming up"
             f"{' and capturing CUDA graphs' if engine.graphs is not None else ''} ..."
         )

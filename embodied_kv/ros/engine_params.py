@@ -36,7 +36,11 @@ ENGINE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("torch_threads", 1, "torch CPU threads (1: see README, Real time)"),
     ParamSpec("cuda_graphs", True, "capture decode / prefill / denoise graphs on CUDA"),
     ParamSpec("arena.num_slots", 8, "KV arena slots: the frame in flight + live requests"),
-    ParamSpec("arena.max_len", 512, "KV arena rows per slot (tokens)"),
+    ParamSpec(
+        "arena.max_len",
+        "auto",
+        "KV arena rows per slot (tokens); auto (or 0) = what the preset and language budgets need",
+    ),
     ParamSpec("language.narrate_every", 10, "every Nth frame narrates (0: never)"),
     ParamSpec("language.narration_tokens", 32, "token budget of a narration"),
     ParamSpec("language.answer_tokens", 48, "token budget of an answer or a plan"),
@@ -74,7 +78,7 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
         weights=_str(get, "weights"),
         tokenizer=_str(get, "tokenizer"),
         num_slots=_int(get, "arena.num_slots"),
-        max_len=_int(get, "arena.max_len"),
+        max_len=_max_len(get),
         control_hz=rate,
         replan_every=_int(get, "replan_every"),
         blend=_int(get, "blend"),
@@ -105,6 +109,16 @@ def _int(get, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
         raise ValueError(f"parameter {name}={value!r} must be an integer")
     return int(value)
+
+
+def _max_len(get) -> int:
+    """'auto' or 0 -> 0 (EngineConfig sizes the arena for the preset), else rows >= 1."""
+    if get("arena.max_len") == "auto":
+        return 0
+    rows = _int(get, "arena.max_len")
+    if rows < 0:
+        raise ValueError(f"parameter arena.max_len={rows} must be auto, 0 (auto) or > 0")
+    return rows
 
 
 def _float(get, name: str) -> float:

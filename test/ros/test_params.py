@@ -37,6 +37,7 @@ def test_nested_mappings_are_dotted_parameter_names(tmp_path):
         ("arena.num_slots", 2.5, "must be an integer"),
         ("preset", "", "preset is empty"),
         ("cuda_graphs", "yes", "must be true or false"),
+        ("arena.max_len", -64, "must be auto, 0 \\(auto\\) or > 0"),
     ],
 )
 def test_bad_engine_parameters_are_value_errors_naming_them(name, value, complaint):
@@ -73,3 +74,23 @@ def test_bad_config_is_a_value_error_naming_the_file(tmp_path, text, complaint):
     with pytest.raises(ValueError, match=complaint) as info:
         load_params(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("value,rows", [("auto", 0), (0, 0), (2048, 2048)])
+def test_max_len_auto_or_rows(value, rows):
+    values = {spec.name: spec.default for spec in ENGINE_PARAMS} | {"arena.max_len": value}
+    assert engine_config(values.__getitem__).max_len == rows
+
+
+def test_shipped_config_sizes_the_arena_for_pi05():
+    from embodied_kv.engine.engine import arena_rows
+    from embodied_kv.engine.policy import LoopConfig
+    from embodied_kv.model.config import get_preset
+
+    params = load_params(default_config_path()).with_overrides(preset="pi05")
+    defaults = {spec.name: spec.default for spec in ENGINE_PARAMS}
+    cfg = engine_config(lambda name: params.for_node("prefill").get(name, defaults[name]))
+    assert (cfg.preset, cfg.max_len) == ("pi05", 0)
+    loop = LoopConfig(narration_tokens=cfg.narration_tokens, answer_tokens=cfg.answer_tokens)
+    pi05 = get_preset("pi05")
+    assert arena_rows(cfg, pi05, loop) >= pi05.prefix_tokens_max + cfg.answer_tokens

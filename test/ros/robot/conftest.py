@@ -260,7 +260,7 @@ def write_foreign_capsule(disk: Path) -> None:
     from embodied_kv.engine.engine import Engine, EngineConfig
     from embodied_kv.kv.capsule_store import StoreConfig
 
-    engine = Engine(EngineConfig(max_len=256, store=StoreConfig(disk_dir=str(disk))))
+    engine = Engine(EngineConfig(max_len=1024, store=StoreConfig(disk_dir=str(disk))))
     engine.snapshot(FOREIGN, "disk")
 
 

@@ -1,0 +1,232 @@
+"""`embodied-kv bench estimate`: the pi05 action latency on an H100, estimated from the
+kernels the real code launches and the bytes they move, next to the arithmetic limit.
+
+No GPU run exists; this is an estimate, reproducible on any CPU:
+
+1. Build pi05 at its real widths (2048 / 1024 / 1152, vocab 257,152) at depth 1 and 2
+   (SigLIP too), bf16, on the CPU.
+2. Run one action's path with a dispatch-level census (bench/kernel_census.py): the
+   cameras through the vision tower, the prefix embedding, the prefill step (padded as
+   the step graph pads it) with the logits of its last row bucket, and the 10-step Euler
+   loop of the action expert as the denoise graph runs it (masked prefix rows).
+3. Per layer = depth 2 - depth 1; the totals are scaled to 18 (27 vision) layers.
+4. Each kernel costs max(FLOPs / (eff_c x peak), bytes / (eff_b x bandwidth)), plus a
+   gap per kernel inside a CUDA graph, or the eager launch cost where it is the larger
+   (regions not captured). The limit is the same sum at 100 % of peak and no gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from contextlib import contextmanager
+
+import torch
+
+from embodied_kv.bench.kernel_census import Census, Roofline, Tally
+from embodied_kv.bench.report import print_table, write_json
+from embodied_kv.engine.graphs import DENOISE_BUCKETS, STEP_BUCKETS
+from embodied_kv.kernels.packed_attention import KEY_BLOCK
+from embodied_kv.kv.step import Segment, commit_step, plan_step
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.model.vla import StepInput, build_model
+
+# H100 SXM: bf16 dense and HBM3 (PI05_FACTS.md: the arithmetic limit uses these two
+# numbers); fp32 GEMMs without TF32 run on the 67 TFLOP/s fp32 units
+H100 = dict(flops_per_s=990e12, bytes_per_s=3.35e12, fp32_flops_per_s=67e12)
+COMPUTE_EFF = 0.70  # large cuBLAS bf16 GEMMs on H100 SXM reach ~650-750 TFLOP/s
+MEMORY_EFF = 0.80  # streaming kernels reach ~2.7 TB/s of 3.35
+GRAPH_GAP_S = 1.5e-6  # per kernel node in a replayed graph (launch + tail), H100
+EAGER_LAUNCH_S = 6e-6  # per torch op launched from Python (CPU-bound when kernels are short)
+FACTS_LIMIT_MS = {2: 5.3, 3: 6.6}  # PI05_FACTS.md: bf16 arithmetic limit, 10 Euler steps
+TEXT_TOKENS = 48  # the limit's prompt length (PI05_FACTS.md)
+REGIONS = ("vision", "embed", "prefill", "logits", "denoise")
+CAPTURED = {"prefill", "logits", "denoise"}  # engine/graphs.py: step and denoise graphs
+
+
+def attention_cost(q, k_cache, slot, kv_len) -> tuple[float, float]:
+    """The Triton packed-attention kernel: QK^T and PV over each token's rows; q and out
+    once; K/V of a slot once from HBM (a slot's layer is < 1 MiB at pi05: tile re-reads
+    hit the 50 MB L2)."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    flops = 4.0 * float(kv_len.sum()) * hq * d
+    rows = sum(int(kv_len[slot == s].max()) for s in slot.unique())
+    kv_bytes = 2 * rows * hkv * d * k_cache.element_size()
+    return flops, 2.0 * q.numel() * q.element_size() + kv_bytes
+
+
+@contextmanager
+def one_kernel_attention(census: Census):
+    """The backbone's packed attention as the single kernel it is on CUDA."""
+    import embodied_kv.model.backbone as backbone
+
+    real = backbone.packed_attention
+
+    def counted(q, k_cache, v_cache, slot, kv_len, *rest):
+        with census.single_kernel(lambda: attention_cost(q, k_cache, slot, kv_len)):
+            return real(q, k_cache, v_cache, slot, kv_len, *rest)
+
+    backbone.packed_attention = counted
+    try:
+        yield
+    finally:
+        backbone.packed_attention = real
+
+
+def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dict[str, Tally]:
+    """One action chunk's kernels by region: prefix of `cameras` images + text, prefill
+    (padded to the step graph's bucket if `graph_pad`, else to 16 rows), 10 Euler steps."""
+    c = model.cfg
+    gpu = Roofline(**H100, compute_eff=COMPUTE_EFF, memory_eff=MEMORY_EFF)
+    census = Census(gpu)
+    images = synthetic_observation(c, 0).images[:cameras]
+    ids = torch.arange(text_tokens) % 200 + 32
+    n = cameras * c.vision.tokens + text_tokens
+    pad = next(b for b in STEP_BUCKETS if b >= n) if graph_pad else 0
+    rows = next(b for b in DENOISE_BUCKETS if b >= n)
+    arena = model.new_arena(1, max(rows, -(-max(n, pad) // KEY_BLOCK) * KEY_BLOCK))
+    slot = arena.allocate()
+    with census, torch.no_grad():
+        with census.region("vision"):
+            img = model.vision(images).reshape(-1, c.backbone.width).to(model.dtype)
+        with census.region("embed"):
+            prefix = torch.cat([img, model.backbone.embed(ids)])
+        plan = plan_step(arena, [Segment(slot, n, causal=False)], pad)  # host work
+        with census.region("embed"):
+            x = model.embed_inputs([StepInput(slot, embeds=prefix, causal=False)], plan.n_padded)
+        with census.region("prefill"), one_kernel_attention(census):
+            hidden = model.backbone(x, plan, arena)
+        commit_step(arena, plan)
+        with census.region("logits"):
+            model.backbone.logits(hidden, plan.last)
+        noise, plen = model.make_noise(0), torch.tensor(n)
+        with census.region("denoise"):
+            model.expert.sample(arena, slot, plen, noise, rows)
+    return census.tallies
+
+
+def scaled(by_depth: dict[int, dict[str, Tally]], layers: int, vision_layers: int):
+    """Per region: fixed + per-layer x depth, from the censuses at depth 1 and 2."""
+    out = {}
+    for r in REGIONS:
+        one, two = by_depth[1][r], by_depth[2][r]
+        per_layer = two - one
+        out[r] = (one - per_layer) + per_layer * (vision_layers if r == "vision" else layers)
+    return out
+
+
+def region_ms(t: Tally, captured: bool) -> float:
+    if captured:
+        return 1e3 * (t.busy_s + t.kernels * GRAPH_GAP_S)
+    return 1e3 * max(t.busy_s + t.kernels * GRAPH_GAP_S, t.kernels * EAGER_LAUNCH_S)
+
+
+def estimate(cameras_list=(2, 3), text_tokens: int = TEXT_TOKENS) -> dict:
+    full = get_preset("pi05")
+    censuses: dict = {}
+    for depth in (1, 2):
+        model = build_model(
+            get_preset("pi05", layers=depth, vision_layers=depth), "cpu", dtype=torch.bfloat16
+        )
+        for cams in cameras_list:
+            for graph_pad in (True, False):
+                censuses.setdefault((cams, graph_pad), {})[depth] = action_census(
+                    model, cams, text_tokens, graph_pad
+                )
+        del model
+        gc.collect()
+    rows = []
+    for cams in cameras_list:
+        t = scaled(censuses[(cams, True)], full.backbone.layers, full.vision.layers)
+        t16 = scaled(censuses[(cams, False)], full.backbone.layers, full.vision.layers)
+        limit_parts = dict(t16, logits=Tally())  # the limit needs no logits, no padding
+        today = sum(region_ms(t[r], r in CAPTURED) for r in REGIONS)
+        all_graphs = sum(region_ms(t[r], True) for r in REGIONS)
+        padded16 = sum(region_ms(t16[r], True) for r in REGIONS)
+        rows.append(
+            {
+                "cameras": cams,
+                "prefix_tokens": cams * full.vision.tokens + text_tokens,
+                "step_bucket": next(
+                    b for b in STEP_BUCKETS if b >= cams * full.vision.tokens + text_tokens
+                ),
+                "kernels": {r: round(t[r].kernels) for r in REGIONS},
+                "kernels_total": round(sum(t[r].kernels for r in REGIONS)),
+                "tflop": sum(t[r].flops for r in REGIONS) / 1e12,
+                "gbytes": sum(t[r].bytes for r in REGIONS) / 1e9,
+                "syncs": round(sum(t[r].syncs for r in REGIONS)),
+                "region_ms": {r: region_ms(t[r], r in CAPTURED) for r in REGIONS},
+                "busy_ms": 1e3 * sum(t[r].busy_s for r in REGIONS),
+                "graph_gaps_ms": 1e3 * GRAPH_GAP_S * sum(t[r].kernels for r in REGIONS),
+                "limit_ms_of_this_code": 1e3 * sum(x.ideal_s for x in limit_parts.values()),
+                "limit_ms_facts": FACTS_LIMIT_MS.get(cams),
+                "estimate_ms": today,
+                "estimate_all_graphs_ms": all_graphs,
+                "estimate_all_graphs_pad16_ms": padded16,
+            }
+        )
+        r = rows[-1]
+        r["ratio"] = r["estimate_ms"] / r["limit_ms_facts"] if r["limit_ms_facts"] else None
+    return {
+        "benchmark": "estimate",
+        "device": "H100 SXM (estimated; no GPU run)",
+        "assumptions": {
+            "peak_tflops_bf16": H100["flops_per_s"] / 1e12,
+            "peak_tflops_fp32": H100["fp32_flops_per_s"] / 1e12,
+            "hbm_tb_per_s": H100["bytes_per_s"] / 1e12,
+            "compute_eff": COMPUTE_EFF,
+            "memory_eff": MEMORY_EFF,
+            "graph_gap_us": GRAPH_GAP_S * 1e6,
+            "eager_launch_us": EAGER_LAUNCH_S * 1e6,
+            "text_tokens": text_tokens,
+            "captured_regions": sorted(CAPTURED),
+        },
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="embodied-kv bench estimate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--preset", default="pi05", choices=["pi05"], help="only pi05 is estimated")
+    p.add_argument("--quick", action="store_true", help="accepted for uniformity; no effect")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--text-tokens", type=int, default=TEXT_TOKENS)
+    a = p.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = estimate(text_tokens=a.text_tokens)
+    print_table(
+        "cams kernels TFLOP GB limit busy gaps today graphs pad16 x".split(),
+        [
+            [
+                r["cameras"],
+                r["kernels_total"],
+                r["tflop"],
+                r["gbytes"],
+                r["limit_ms_facts"],
+                r["busy_ms"],
+                r["graph_gaps_ms"],
+                r["estimate_ms"],
+                r["estimate_all_graphs_ms"],
+                r["estimate_all_graphs_pad16_ms"],
+                r["ratio"],
+            ]
+            for r in result["rows"]
+        ],
+    )
+    for r in result["rows"]:
+        parts = ", ".join(
+            f"{k} {r['kernels'][k]} kernels {v:.2f} ms" for k, v in r["region_ms"].items()
+        )
+        print(f"  {r['cameras']} cameras: {parts}")
+    if a.json:
+        write_json(result, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

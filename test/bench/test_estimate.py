@@ -1,0 +1,39 @@
+"""The kernel census behind `bench estimate`: exact counts on known ops, and the
+action path's kernels scale with depth as the code's loops say."""
+
+import torch
+
+from embodied_kv.bench.estimate import H100, action_census, scaled
+from embodied_kv.bench.kernel_census import Census, Roofline
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.vla import build_model
+
+
+def test_views_are_free_and_matmuls_count_flops_and_bytes():
+    census = Census(Roofline(**H100))
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    with census, census.region("r"):
+        c = a @ b  # one mm
+        c.t().reshape(-1)  # a view and a copy (the transpose is not contiguous)
+        c.add_(1.0)  # in place: one kernel
+        d = c.view(16, 64)  # free
+        int(d[0, 0])  # a device -> host read
+    t = census.tallies["r"]
+    assert (t.kernels, t.syncs) == (3, 1)
+    assert t.flops == 2 * 64 * 32 * 16
+    mm = census.by_op[("r", "aten.mm.default")]
+    assert mm.bytes == 4 * (64 * 32 + 32 * 16 + 64 * 16)
+    assert mm.ideal_s == mm.bytes / H100["bytes_per_s"]  # memory-bound at this size
+
+
+def test_action_path_kernels_scale_with_depth():
+    by_depth = {}
+    for depth in (1, 2):
+        m = build_model(get_preset("tiny", layers=depth, vision_layers=depth))
+        by_depth[depth] = action_census(m, 2, 16, graph_pad=True)
+    per_layer = {r: by_depth[2][r].kernels - by_depth[1][r].kernels for r in by_depth[1]}
+    steps = get_preset("tiny").denoise_steps
+    assert per_layer["denoise"] > 0 and per_layer["denoise"] % steps == 0
+    assert per_layer["prefill"] > 0 and per_layer["embed"] == per_layer["logits"] == 0
+    at4 = scaled(by_depth, 4, 2)
+    assert at4["prefill"].kernels == by_depth[1]["prefill"].kernels + 3 * per_layer["prefill"]

@@ -1,0 +1,41 @@
+"""max_len: 0 (auto) sizes the arena for the preset; a value too small is refused at
+construction with the number needed, before any weight is built."""
+
+import pytest
+
+from embodied_kv.engine.engine import Engine, EngineConfig
+from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
+from embodied_kv.kv.manager import TaskKind
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.synthetic import synthetic_observation
+
+
+def test_pi05_needs_cameras_prompt_question_and_budgets():
+    pi05 = get_preset("pi05")
+    # 3 x 256 image tokens + 200 prompt + 200 question + 48 answer + 1 -> 1217 -> 1280
+    assert arena_rows_needed(pi05, LoopConfig(narration_tokens=32, answer_tokens=48)) == 1280
+    assert arena_rows_needed(get_preset("tiny"), LoopConfig(answer_tokens=48)) == 320
+
+
+def test_auto_is_the_default_and_fits_the_longest_answer(tiny_model):
+    engine = Engine(EngineConfig(control_hz=0.01, max_decode_steps=0), model=tiny_model)
+    assert engine.cfg.max_len == 0
+    assert engine.manager.arena.spec.max_len == 320
+    m = tiny_model
+    engine.observe(synthetic_observation(m.cfg, 0, "x" * 500))  # prompt cut to 96 tokens
+    fp = engine.manager.prefill_frame(0, m.embed_prefix(engine._obs))
+    assert fp.prefix_len == m.cfg.prefix_tokens_max
+    question = list(range(32, 32 + m.cfg.max_text_tokens))
+    req = engine.manager.create(fp, "q", TaskKind.ANSWER, 48, question)
+    assert req.max_new_tokens == 48 and req.pending == question  # nothing cut
+
+
+@pytest.mark.parametrize("preset,needed", [("tiny", 320), ("pi05", 1280)])
+def test_a_too_small_max_len_names_the_rows_needed(preset, needed):
+    with pytest.raises(ValueError, match=f"max_len=256 is too small .* needs {needed} rows"):
+        Engine(EngineConfig(preset=preset, max_len=256))  # pi05: refused before building
+
+
+def test_negative_max_len_is_refused():
+    with pytest.raises(ValueError, match="bad engine config"):
+        EngineConfig(max_len=-64)
