@@ -7,6 +7,7 @@ per step shape), static `out` buffers, strided views and input validation."""
 import pytest
 import torch
 
+import embodied_kv.kernels.decode_splitk as ds
 import embodied_kv.kernels.packed_attention as pa
 
 # Each case is a list of (slot, kv_len) per token, in packing order.
@@ -68,8 +69,9 @@ def test_entry_point_writes_out_buffer(make_inputs):
     assert torch.equal(out, pa.packed_attention(q, k, v, slot, kv_len, scale))
 
 
-def _plan(n_tok, decode=None, kv_len=None, slot=None):
-    """Launches planned on meta tensors at pi05 heads: shapes only, like a graph capture."""
+def _plan(n_tok, decode=None):
+    """Launches planned on meta tensors at pi05 heads. Meta tensors hold no values, so a plan
+    that read one on the host (a device sync, fatal in graph capture) would raise here."""
     meta = {"dtype": torch.bfloat16, "device": "meta"}
     q = torch.empty(n_tok, 8, 256, **meta)
     k = torch.empty(3, 1024, 1, 256, **meta)
@@ -109,6 +111,39 @@ def test_kernels_ignore_rows_past_kv_len_and_are_batch_invariant(kernel, make_in
             q[one], k, v, slot[one], kv_len[one], scale, decode=decode
         )
         assert torch.equal(alone, out[one]), f"token {i}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("decode", [True, False])
+def test_kernels_replay_in_a_cuda_graph(make_inputs, decode):
+    """Captured once over static slot / kv_len / out / workspace, replayed with other slots
+    and lengths: the bytes of an eager call on the new inputs."""
+    q, k, v, slot, kv_len, scale = make_inputs(CASES["mixed"], (8, 1, 256), torch.bfloat16)
+    out = torch.empty_like(q)
+    splits = ds.splitk_config(q.dtype, k.shape[1]).num_splits
+    work = ds.workspace(q.shape[0], 8, 256, splits, q.device)
+    slot_s, len_s = slot.clone(), kv_len.clone()
+
+    def run():
+        pa.packed_attention_kernel(
+            q, k, v, slot_s, len_s, scale, decode=decode, out=out, workspace=work
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    new_slot, new_len = slot.flip(0), (kv_len * 7) % k.shape[1] + 1
+    slot_s.copy_(new_slot)
+    len_s.copy_(new_len)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = pa.packed_attention_kernel(q, k, v, new_slot, new_len, scale, decode=decode)
+    assert torch.equal(out, expected)
 
 
 def test_kernel_writes_out_buffer(kernel, make_inputs):
