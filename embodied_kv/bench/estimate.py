@@ -78,7 +78,8 @@ def one_kernel_attention(census: Census):
 
 def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dict[str, Tally]:
     """One action chunk's kernels by region: prefix of `cameras` images + text, prefill
-    (padded to the step graph's bucket if `graph_pad`, else to ROW_BUCKET rows only), 10 Euler steps."""
+    (padded to the step graph's bucket if `graph_pad`, else to ROW_BUCKET rows only),
+    10 Euler steps."""
     c = model.cfg
     gpu = Roofline(**H100, compute_eff=COMPUTE_EFF, memory_eff=MEMORY_EFF)
     census = Census(gpu)
