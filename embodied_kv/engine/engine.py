@@ -20,7 +20,9 @@ from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
 from embodied_kv.kv.capsule import capture, check_identity, identity_of, load_slot, restore
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
 from embodied_kv.kv.manager import KVCacheManager, TaskKind
+from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.config import ModelConfig, get_preset
+from embodied_kv.model.robot_loader import RobotSpec, find_tokenizer, load_robot_io
 from embodied_kv.model.vla import Observation, build_model
 
 EPISODE_START = "episode_start"
@@ -30,8 +32,8 @@ EPISODE_START = "episode_start"
 class EngineConfig:
     preset: str = "tiny"
     device: str = "cpu"
-    weights: str = ""  # own-layout or LeRobot pi0.5 safetensors; "" = random from the seed
-    tokenizer: str = ""  # pi05: path to the PaliGemma tokenizer
+    weights: str = ""  # safetensors file, LeRobot policy dir or openpi dir; "" = random
+    tokenizer: str = ""  # pi05: PaliGemma tokenizer path; "" = the checkpoint dir's, if any
     num_slots: int = 8  # arena slots: the frame in flight + live language requests
     max_len: int = 0  # arena rows per slot; 0 = auto: what the preset needs (arena_rows_needed)
     control_hz: float = 50.0  # action output rate
@@ -47,6 +49,7 @@ class EngineConfig:
     auto_episode_capsule: bool = True  # snapshot `episode_start` when an episode begins
     cuda_graphs: bool = True  # capture decode / prefill / denoise graphs on CUDA
     store: StoreConfig = field(default_factory=StoreConfig)
+    robot: RobotSpec = field(default_factory=RobotSpec)  # dims, statistics, delta mask
 
     def __post_init__(self):
         if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:
@@ -58,10 +61,13 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, model=None):
+    def __init__(self, cfg: EngineConfig, model=None, robot: RobotIO | None = None):
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
         c = model.cfg if model is not None else get_preset(cfg.preset)
+        # The robot's units at the engine boundary: observe() normalises the state, every
+        # chunk is un-normalised and sliced before the queue (model/action_space.py).
+        self.robot = robot or load_robot_io(cfg.robot, cfg.weights, c.state_dim, c.action_dim)
         self.lock = threading.RLock()
         loop_cfg = LoopConfig(
             period_s=cfg.period_s,
@@ -74,8 +80,8 @@ class Engine:
         rows = arena_rows(cfg, c, loop_cfg)  # a bad max_len fails before any weight is built
         self.model = model or load_model(cfg)
         self.manager = KVCacheManager(self.model, cfg.num_slots, rows)
-        self.queue = ActionQueue(c.action_horizon, c.action_dim, cfg.blend)
-        self.loop = FrameLoop(self.manager, self.queue, loop_cfg)
+        self.queue = ActionQueue(c.action_horizon, self.robot.action_dim, cfg.blend)
+        self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
         self.store = CapsuleStore(cfg.store, self.model.device)
         self.graphs = None
         if cfg.cuda_graphs and self.model.device.type == "cuda":
@@ -90,8 +96,10 @@ class Engine:
     # -- inputs ----------------------------------------------------------------------
 
     def observe(self, obs: Observation) -> None:
+        """obs.state in robot units ([robot.state_dim]); ValueError if it does not fit."""
+        model_obs = self.robot.model_observation(obs)
         with self.lock:
-            self._obs = obs
+            self._obs = model_obs
             self.instruction = obs.instruction
 
     def ask(self, request_id: str, text: str, kind: TaskKind = TaskKind.ANSWER) -> None:
@@ -254,7 +262,8 @@ def arena_rows(cfg: EngineConfig, model: ModelConfig, loop: LoopConfig) -> int:
 
 
 def load_model(cfg: EngineConfig):
-    model = build_model(get_preset(cfg.preset), cfg.device, tokenizer_path=cfg.tokenizer or None)
+    tokenizer = cfg.tokenizer or find_tokenizer(cfg.weights)
+    model = build_model(get_preset(cfg.preset), cfg.device, tokenizer_path=tokenizer)
     if cfg.weights:
         load_weights_file(model, cfg.weights)
     return model

@@ -11,6 +11,7 @@ import numpy as np
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
 from embodied_kv.kv.manager import KVCacheManager, Request, TaskKind
+from embodied_kv.model.action_space import RobotIO, identity_io
 from embodied_kv.model.vla import Observation
 
 
@@ -28,7 +29,7 @@ class TextEvent:
 @dataclass
 class CycleResult:
     frame: int
-    chunk: np.ndarray  # [H, A] the action chunk of this frame
+    chunk: np.ndarray  # [H, robot action_dim] the action chunk of this frame, robot units
     prefix_len: int
     prefill_s: float
     action_s: float  # prefill start -> chunk in the queue
@@ -73,9 +74,12 @@ class FrameLoop:
         cfg: LoopConfig,
         policy: LanguagePolicy | None = None,
         clock=time.perf_counter,
+        robot: RobotIO | None = None,
     ):
         self.manager, self.queue, self.cfg = manager, queue, cfg
         self.model = manager.model
+        c = self.model.cfg
+        self.robot = robot or identity_io(c.state_dim, c.action_dim)  # model units -> robot
         self.policy = policy or LanguagePolicy(cfg)
         self.clock = clock
         self.cost = StepCost(cfg.cost_ema)
@@ -94,7 +98,7 @@ class FrameLoop:
         # (b) the action expert reads the same slot: the hard deadline
         noise = self.model.make_noise(cfg.seed + frame)
         chunk = self.model.sample_actions(manager.arena, fp.slot, fp.prefix_len, noise)
-        chunk = chunk.float().cpu().numpy()
+        chunk = self.robot.actions_out(chunk.float().cpu().numpy(), obs.robot_state)
         self.queue.push(chunk, tick)
         t_action = self.clock()
         self.counters.action_late += int(t_action > deadline)

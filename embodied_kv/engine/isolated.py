@@ -14,6 +14,7 @@ from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import CycleResult, TextEvent
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
 from embodied_kv.kv.manager import KVCacheManager
+from embodied_kv.model.action_space import RobotIO, identity_io
 from embodied_kv.model.vla import VLA, Observation
 
 
@@ -26,8 +27,11 @@ class IsolatedRunner:
         max_len: int,
         policy: LanguagePolicy | None = None,
         clock=time.perf_counter,
+        robot: RobotIO | None = None,
     ):
         self.model, self.queue, self.cfg, self.clock = model, queue, cfg, clock
+        c = model.cfg
+        self.robot = robot or identity_io(c.state_dim, c.action_dim)  # as FrameLoop
         self.manager = KVCacheManager(model, num_slots=2, max_len=max_len)
         self.policy = policy or LanguagePolicy(cfg)
 
@@ -40,7 +44,7 @@ class IsolatedRunner:
         t_prefill = self.clock()
         noise = self.model.make_noise(self.cfg.seed + frame)
         chunk = self.model.sample_actions(m.arena, fp.slot, fp.prefix_len, noise)
-        chunk = chunk.float().cpu().numpy()
+        chunk = self.robot.actions_out(chunk.float().cpu().numpy(), obs.robot_state)
         self.queue.push(chunk, tick)
         t_action = self.clock()
         m.end_frame(fp)

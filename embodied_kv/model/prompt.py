@@ -64,9 +64,11 @@ def make_tokenizer(kind: str, path: str | Path | None = None):
 
 
 def discretize_state(state: np.ndarray, bins: int = 256) -> np.ndarray:
-    """openpi pi05: state in [-1, 1] -> bin ids 0..bins-1 (values outside are clipped)."""
+    """Normalised state -> bin ids, as openpi `PaligemmaTokenizer.tokenize` and LeRobot
+    `Pi05PrepareStateTokenizerProcessorStep`: np.digitize over linspace(-1, 1, bins + 1)[:-1]
+    minus 1, no clip: a value below -1 is bin -1, a value above 1 is bins - 1."""
     edges = np.linspace(-1.0, 1.0, bins + 1)[:-1]
-    return np.clip(np.digitize(np.asarray(state, dtype=np.float64), edges) - 1, 0, bins - 1)
+    return np.digitize(np.asarray(state), edges) - 1
 
 
 def clean_task(task: str) -> str:

@@ -32,9 +32,10 @@ MAX_POSITIONS = 32_768  # RoPE table rows (fp32, 2 x 16 MiB at pi05); bounds are
 @dataclass
 class Observation:
     images: torch.Tensor  # [num_cameras, 3, S, S] in [-1, 1]; rows of absent cameras ignored
-    state: np.ndarray  # [<= state_dim] robot state, normalised to [-1, 1]
+    state: np.ndarray  # [<= state_dim] state normalised to about [-1, 1] (in the prompt)
     instruction: str
     camera_mask: tuple[bool, ...] | None = None  # None: all cameras present
+    robot_state: np.ndarray | None = None  # [S] the same state in robot units (delta actions)
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,11 @@ class VLA(nn.Module):
                 f"expected {c.num_cameras} camera images and mask entries, got "
                 f"{obs.images.shape[0]} and {len(mask)}"
             )
-        state = np.zeros(c.state_dim)
-        s = np.asarray(obs.state, dtype=np.float64).reshape(-1)[: c.state_dim]
-        state[: s.shape[0]] = s
+        # Only the robot's own dims go into the prompt, unpadded: openpi TokenizePrompt runs
+        # before PadStatesAndActions; LeRobot Pi05PrepareStateTokenizerProcessorStep.
+        state = np.asarray(obs.state).reshape(-1)
+        if state.shape[0] > c.state_dim:
+            raise ValueError(f"state of {state.shape[0]} dims > the model's {c.state_dim}")
         prompt = tokenize_prompt(
             self.tokenizer, obs.instruction, state, c.max_text_tokens, c.state_bins
         )

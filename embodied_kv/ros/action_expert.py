@@ -36,11 +36,12 @@ class ActionExpertNode(EmbodiedNode):
         self.declare_parameter("joint_names", DEFAULT_JOINTS)  # one per action dimension
 
     def setup(self) -> None:
-        dim = self.engine.model.cfg.action_dim
+        dim = self.engine.robot.action_dim  # the robot's commands, not the model's padding
         self.joint_names = list(self.param("joint_names"))
         if len(self.joint_names) != dim:
             raise ValueError(
-                f"joint_names has {len(self.joint_names)} names, the model acts on {dim} joints"
+                f"joint_names has {len(self.joint_names)} names, the robot acts on {dim} "
+                "dimensions (robot.action_dim / the checkpoint's action statistics)"
             )
         self._action_pub = self.create_lifecycle_publisher(Float64MultiArray, "action", 10)
         self._chunk_pub = self.create_lifecycle_publisher(JointTrajectory, "action_chunk", 10)

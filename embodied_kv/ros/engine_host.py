@@ -17,6 +17,8 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
+
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.frame_loop import CycleResult
 from embodied_kv.model.synthetic import synthetic_observation
@@ -82,13 +84,16 @@ class EngineHost:
             f"{'weights ' + cfg.weights if cfg.weights else 'random weights'} ..."
         )
         engine = Engine(cfg)
+        robot = engine.robot
+        self._progress(f"robot: {robot.describe()}")
         arena = engine.manager.arena
         self._progress(
             f"KV arena allocated: {cfg.num_slots} slots x {arena.spec.max_len} rows, "
             f"{arena.spec.bytes / 2**20:.1f} MiB; warming up"
             f"{' and capturing CUDA graphs' if engine.graphs is not None else ''} ..."
         )
-        engine.observe(synthetic_observation(engine.model.cfg, cfg.seed, "warm up"))
+        warm = synthetic_observation(engine.model.cfg, cfg.seed, "warm up")
+        engine.observe(dataclasses.replace(warm, state=np.zeros(robot.state_dim)))
         engine.warmup()
         engine.begin_episode()  # the pinned `episode_start` capsule: what `reset` restores
         self.cfg, self.engine = cfg, engine

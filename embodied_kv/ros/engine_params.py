@@ -15,6 +15,7 @@ from typing import Any
 
 from embodied_kv.engine.engine import EngineConfig
 from embodied_kv.kv.capsule_store import StoreConfig
+from embodied_kv.model.robot_loader import RobotSpec
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,10 @@ class ParamSpec:
 ENGINE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("preset", "tiny", "model preset (DESIGN §6): tiny | pi05"),
     ParamSpec("device", "auto", "torch device: auto (cuda when present, else cpu) | cpu | cuda:N"),
-    ParamSpec("weights", "", "safetensors checkpoint (own or LeRobot pi0.5 layout); '' = random"),
-    ParamSpec("tokenizer", "", "pi05: path to the PaliGemma tokenizer; '' = byte ids"),
+    ParamSpec(
+        "weights", "", "safetensors file, LeRobot policy dir or openpi checkpoint dir; '' = random"
+    ),
+    ParamSpec("tokenizer", "", "pi05: PaliGemma tokenizer path; '' = the checkpoint's, else bytes"),
     ParamSpec("control_rate_hz", 50.0, "action output rate (Hz)"),
     ParamSpec("replan_every", 5, "control ticks per engine cycle: a new chunk every N actions"),
     ParamSpec("blend", 2, "ticks over which the old and the new chunk are mixed"),
@@ -50,6 +53,14 @@ ENGINE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("capsules.disk_bytes", 16 << 30, "capsule budget of the disk tier (B)"),
     ParamSpec("capsules.disk_dir", "", "folder of the disk tier ('' = no disk tier; ~ expands)"),
     ParamSpec("capsules.history", 8, "per-cycle boundaries kept for rollback by steps"),
+    # -- the robot's side of the model (model/robot_loader.py) --
+    ParamSpec("robot.state_dim", 0, "robot state values; 0 = from the statistics, else model's"),
+    ParamSpec("robot.action_dim", 0, "commands per tick; 0 = from the statistics, else model's"),
+    ParamSpec("robot.delta_mask", "", "delta action dims as make_bool_mask counts '6,-1'; "
+              "'none'; '' = the checkpoint's"),  # fmt: skip
+    ParamSpec("robot.norm_stats", "", "statistics path overriding the checkpoint's; ''"),
+    ParamSpec("robot.norm_mode", "", "openpi norm_stats.json: quantiles (pi0.5) | mean_std"),
+    ParamSpec("robot.asset_id", "", "openpi: assets/<asset_id>/norm_stats.json to use"),
 )
 
 
@@ -91,6 +102,19 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
         history=_int(get, "capsules.history"),
         cuda_graphs=_bool(get, "cuda_graphs"),
         store=store,
+        robot=robot_spec(get),
+    )
+
+
+def robot_spec(get: Callable[[str], Any]) -> RobotSpec:
+    norm_stats = _str(get, "robot.norm_stats")
+    return RobotSpec(
+        state_dim=_int(get, "robot.state_dim"),
+        action_dim=_int(get, "robot.action_dim"),
+        delta_mask=_str(get, "robot.delta_mask"),
+        norm_stats=str(Path(norm_stats).expanduser()) if norm_stats else "",
+        norm_mode=_str(get, "robot.norm_mode"),
+        asset_id=_str(get, "robot.asset_id"),
     )
 
 

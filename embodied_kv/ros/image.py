@@ -1,18 +1,28 @@
-"""sensor_msgs/Image -> the model's camera input: [3, S, S] float32 in [-1, 1].
+"""Camera messages -> the model's camera input: [3, S, S] float32 in [-1, 1].
 
-cv_bridge is used when it imports and converts a ROS 2 Image correctly (a probe at
-first use); PyPI's `cv-bridge` is a ROS 1 copy that fails on ROS 2 messages
-(shared/ROS2_PIP.md), so normally the converter here does the work for rgb8, bgr8,
-rgba8, bgra8 and mono8. Any other encoding, a zero-size image or data whose size
-does not match height x step is a ValueError with the reason: the frame is skipped.
+sensor_msgs/Image: rgb8, bgr8, rgba8, bgra8 and mono8, converted here (cv_bridge only
+where one imports and converts a ROS 2 probe image correctly: PyPI's `cv-bridge` is a
+ROS 1 copy that fails on ROS 2 messages, shared/ROS2_PIP.md). sensor_msgs/CompressedImage:
+jpeg or png, decoded with Pillow (only those two decoders are tried).
 
-Resizing keeps the aspect ratio and pads with black (-1) to S x S, as pi0.5's
-`resize_with_pad` does (openpi / LeRobot preprocessing).
+Size limits (ImageLimits) are checked before any pixel is touched: for a raw Image on
+its header fields; for a CompressedImage on the byte length, then on the dimensions
+Pillow reads from the file header (`Image.open` is lazy), before the full decode. An
+8000 x 8000 frame is refused at the cost of reading its header. Any other problem
+(unsupported encoding, zero size, data that does not match the header, a corrupt
+file) is a ValueError with the reason: the frame is skipped.
+
+Resizing is LeRobot's `resize_with_pad_torch` (policies/common/vla_utils.py, "exact
+copy" of openpi's torch path): pixels / 255 in [0, 1], bilinear without antialiasing to
+int(h / ratio) x int(w / ratio) with ratio = max(w / S, h / S), clamp to [0, 1], padded
+centred with 0, then * 2 - 1 (pi05 `_preprocess_images`), so the padding is -1.
 """
 
 from __future__ import annotations
 
 import functools
+import io
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,24 +36,74 @@ ENCODINGS: dict[str, tuple[int, tuple[int, int, int]]] = {
     "bgra8": (4, (2, 1, 0)),
     "mono8": (1, (0, 0, 0)),
 }
+COMPRESSED_FORMATS = ("JPEG", "PNG")  # Pillow format names tried on CompressedImage data
+PILLOW_MODES = ("RGB", "RGBA", "L", "LA", "P")  # 8-bit modes that convert to RGB unchanged
 
 
-def image_to_rgb(msg) -> np.ndarray:
-    """[H, W, 3] uint8 RGB of a sensor_msgs/Image; ValueError naming what is wrong."""
+@dataclass(frozen=True)
+class ImageLimits:
+    """Largest camera frame accepted (YAML prefill `image.*`)."""
+
+    max_width: int = 4096  # pixels
+    max_height: int = 4096  # pixels
+    max_pixels: int = 4096 * 4096  # width x height
+    max_bytes: int = 64 << 20  # message data (raw or compressed), bytes
+
+    def __post_init__(self):
+        if min(self.max_width, self.max_height, self.max_pixels, self.max_bytes) < 1:
+            raise ValueError(f"image limits must be >= 1: {self}")
+
+    def check_size(self, w: int, h: int) -> None:
+        if w > self.max_width or h > self.max_height or w * h > self.max_pixels:
+            raise ValueError(
+                f"{w}x{h} image exceeds the limits (max_width {self.max_width}, max_height "
+                f"{self.max_height}, max_pixels {self.max_pixels}); not decoded"
+            )
+
+    def check_bytes(self, n: int) -> None:
+        if n > self.max_bytes:
+            raise ValueError(f"{n} bytes of image data > max_bytes {self.max_bytes}; not decoded")
+
+
+DEFAULT_LIMITS = ImageLimits()
+
+
+def check_header(msg, limits: ImageLimits = DEFAULT_LIMITS) -> None:
+    """Everything about a message that is known without touching its pixels."""
+    if hasattr(msg, "encoding"):
+        _check_raw(msg, limits)
+    else:
+        limits.check_bytes(len(msg.data))
+        if "compresseddepth" in msg.format.lower().replace(" ", ""):
+            raise ValueError(f"CompressedImage format {msg.format!r}: depth is not a camera image")
+        if len(msg.data) == 0:
+            raise ValueError("zero-size compressed image (0 bytes)")
+
+
+def _check_raw(msg, limits: ImageLimits) -> None:
     if msg.encoding not in ENCODINGS:
         raise ValueError(
             f"encoding {msg.encoding!r} is not supported (use one of {', '.join(ENCODINGS)})"
         )
     h, w, step = int(msg.height), int(msg.width), int(msg.step)
+    limits.check_size(w, h)
+    limits.check_bytes(len(msg.data))
     if h == 0 or w == 0 or len(msg.data) == 0:
         raise ValueError(f"zero-size image ({w}x{h}, {len(msg.data)} bytes)")
-    channels, order = ENCODINGS[msg.encoding]
+    channels, _ = ENCODINGS[msg.encoding]
     if step < w * channels:
         raise ValueError(f"step {step} < width {w} x {channels} bytes per pixel")
     if len(msg.data) != h * step:
         raise ValueError(
             f"{msg.encoding} {w}x{h} with step {step} needs {h * step} bytes, got {len(msg.data)}"
         )
+
+
+def image_to_rgb(msg, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """[H, W, 3] uint8 RGB of a sensor_msgs/Image; ValueError naming what is wrong."""
+    _check_raw(msg, limits)
+    h, w, step = int(msg.height), int(msg.width), int(msg.step)
+    channels, order = ENCODINGS[msg.encoding]
     bridge = _working_cv_bridge()
     if bridge is not None:
         return np.asarray(bridge.imgmsg_to_cv2(msg, desired_encoding="rgb8"))
@@ -52,23 +112,51 @@ def image_to_rgb(msg) -> np.ndarray:
     return pixels[:, :, list(order)]
 
 
+def compressed_to_rgb(msg, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """[H, W, 3] uint8 RGB of a sensor_msgs/CompressedImage (jpeg / png)."""
+    from PIL import Image, UnidentifiedImageError
+
+    check_header(msg, limits)
+    data = bytes(msg.data)
+    try:
+        img = Image.open(io.BytesIO(data), formats=COMPRESSED_FORMATS)  # reads the header only
+    except UnidentifiedImageError:
+        raise ValueError(
+            f"CompressedImage ({msg.format!r}, {len(data)} bytes) is not a readable jpeg or png"
+        ) from None
+    except Exception as e:  # e.g. Pillow's own DecompressionBombError on a huge header
+        raise ValueError(f"CompressedImage header unreadable: {type(e).__name__}: {e}") from None
+    with img:
+        w, h = img.size
+        limits.check_size(w, h)
+        if img.mode not in PILLOW_MODES:
+            raise ValueError(f"{img.format} of mode {img.mode} is not supported (8-bit only)")
+        try:
+            img.load()
+        except Exception as e:  # truncated or corrupt data: OSError, SyntaxError, ...
+            raise ValueError(f"corrupt {img.format.lower()} ({w}x{h}): {e}") from None
+        return np.asarray(img.convert("RGB"))
+
+
 def rgb_to_input(rgb: np.ndarray, size: int) -> torch.Tensor:
-    """[H, W, 3] uint8 -> [3, size, size] float32 in [-1, 1], resized with padding."""
+    """[H, W, 3] uint8 -> [3, size, size] float32 in [-1, 1] (LeRobot resize_with_pad_torch)."""
     h, w, _ = rgb.shape
-    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).float()  # [3, H, W]
-    x = x / 127.5 - 1.0
-    scale = size / max(h, w)
-    rh, rw = max(1, round(h * scale)), max(1, round(w * scale))
-    if (rh, rw) != (h, w):
-        x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", antialias=True)[0]
-    out = torch.full((3, size, size), -1.0)
-    top, left = (size - rh) // 2, (size - rw) // 2
-    out[:, top : top + rh, left : left + rw] = x.clamp_(-1.0, 1.0)
-    return out
+    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).to(torch.float32) / 255.0
+    if (h, w) != (size, size):  # pi05 `_preprocess_images` resizes only another size
+        ratio = max(w / size, h / size)
+        rh, rw = int(h / ratio), int(w / ratio)
+        x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", align_corners=False)[0]
+        x = x.clamp(0.0, 1.0)
+        top, left = (size - rh) // 2, (size - rw) // 2
+        x = F.pad(x, (left, size - rw - left, top, size - rh - top), value=0.0)
+    return x * 2.0 - 1.0  # [3, size, size]
 
 
-def image_to_input(msg, size: int) -> torch.Tensor:
-    return rgb_to_input(image_to_rgb(msg), size)
+def message_to_input(msg, size: int, limits: ImageLimits = DEFAULT_LIMITS) -> torch.Tensor:
+    """An Image or a CompressedImage -> [3, size, size]; ValueError with the reason."""
+    if hasattr(msg, "encoding"):
+        return rgb_to_input(image_to_rgb(msg, limits), size)
+    return rgb_to_input(compressed_to_rgb(msg, limits), size)
 
 
 @functools.cache

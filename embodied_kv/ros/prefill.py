@@ -1,11 +1,15 @@
 """The `prefill` node: camera images, instruction and joint states in.
 
-Subscribes `camera/<name>/image_raw` (sensor_msgs/Image, one per configured camera),
-`instruction` (std_msgs/String) and `joint_states` (sensor_msgs/JointState), converts
-them and keeps the latest of each in an ObservationBuffer; each engine cycle hands
-the latest Observation to `engine.observe` and prefills it once for every task of
-that frame (DESIGN §5; OxyGen shared prefill). Bad input is rejected with a logged
-reason and changes nothing; input that arrives while the node is inactive is ignored.
+Subscribes `camera/<name>/image_raw` (sensor_msgs/Image, or sensor_msgs/CompressedImage
+on `.../image_raw/compressed` for a camera marked `:compressed`), `instruction`
+(std_msgs/String) and `joint_states` (sensor_msgs/JointState), converts them and keeps
+the latest of each in an ObservationBuffer; each engine cycle hands the latest
+Observation to `engine.observe` and prefills it once for every task of that frame
+(DESIGN §5; OxyGen shared prefill). Camera frames are size-checked in the callback and
+converted on the ImageConverter thread (image_worker.py). Bad input is rejected with a
+logged reason and changes nothing; input that arrives while the node is inactive is
+ignored. The state is the positions of `joint_names`, in robot units: the engine
+normalises it (model/action_space.py).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import math
 
 from rclpy.qos import qos_profile_sensor_data
-from sensor_msgs.msg import Image, JointState
+from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
-from embodied_kv.ros.image import image_to_input
+from embodied_kv.ros.image import ImageLimits, check_header, message_to_input
+from embodied_kv.ros.image_worker import ImageConverter
 from embodied_kv.ros.lifecycle_node import EmbodiedNode
 from embodied_kv.ros.observation import ObservationBuffer
 
@@ -24,12 +29,25 @@ DEFAULT_CAMERAS = ["front", "wrist"]
 DEFAULT_JOINTS = [f"joint_{i}" for i in range(1, 8)] + ["gripper"]
 
 
-def camera_topic(entry: str) -> tuple[str, str]:
-    """'name' -> (name, 'camera/name/image_raw'); 'name:topic' -> (name, topic)."""
-    name, _, topic = entry.partition(":")
+COMPRESSED = "compressed"
+
+
+def camera_topic(entry: str) -> tuple[str, str, bool]:
+    """A `cameras` entry -> (name, topic, compressed):
+
+    'name'                 -> camera/name/image_raw, sensor_msgs/Image
+    'name:topic'           -> topic, sensor_msgs/Image
+    'name::compressed'     -> camera/name/image_raw/compressed, sensor_msgs/CompressedImage
+    'name:topic:compressed' -> topic, sensor_msgs/CompressedImage"""
+    name, _, rest = entry.partition(":")
+    topic, _, kind = rest.partition(":")
     if not name:
         raise ValueError(f"camera entry {entry!r} has no name")
-    return name, topic or f"camera/{name}/image_raw"
+    if kind not in ("", COMPRESSED):
+        raise ValueError(f"camera entry {entry!r}: the third field may only be '{COMPRESSED}'")
+    compressed = kind == COMPRESSED
+    default = f"camera/{name}/image_raw" + ("/compressed" if compressed else "")
+    return name, topic or default, compressed
 
 
 class PrefillNode(EmbodiedNode):
@@ -37,26 +55,45 @@ class PrefillNode(EmbodiedNode):
 
     def __init__(self, **kwargs) -> None:
         self.buffer: ObservationBuffer | None = None
+        self.converter: ImageConverter | None = None
+        self.limits = ImageLimits()
         self._subs: list = []
         self._joints: list[str] = []
         super().__init__(self.NAME, **kwargs)
 
     def declare_node_parameters(self) -> None:
-        self.declare_parameter("cameras", DEFAULT_CAMERAS)  # 'name' or 'name:topic'
+        self.declare_parameter("cameras", DEFAULT_CAMERAS)  # see camera_topic
         self.declare_parameter("joint_names", DEFAULT_JOINTS)  # state order in joint_states
         self.declare_parameter("max_instruction_chars", 400)
+        defaults = ImageLimits()
+        for key in ("max_width", "max_height", "max_pixels", "max_bytes"):
+            self.declare_parameter(f"image.{key}", getattr(defaults, key))
 
     def setup(self) -> None:
         cameras = [camera_topic(e) for e in self.param("cameras")]
         cfg = self.engine.model.cfg
-        self.buffer = ObservationBuffer(
-            cfg.num_cameras, cfg.vision.image_size, cfg.state_dim, len(cameras)
-        )
+        self.limits = ImageLimits(
+            **{k: int(self.param(f"image.{k}")) for k in ("max_width", "max_height",
+                                                           "max_pixels", "max_bytes")}
+        )  # fmt: skip
+        state_dim = self.engine.robot.state_dim
         self._joints = list(self.param("joint_names"))
-        for index, (name, topic) in enumerate(cameras):
+        if self._joints and len(self._joints) < state_dim:
+            raise ValueError(
+                f"joint_names has {len(self._joints)} names, the robot state has {state_dim}"
+            )
+        self.buffer = ObservationBuffer(
+            cfg.num_cameras, cfg.vision.image_size, state_dim, len(cameras)
+        )
+        size = self.buffer.image_size
+        self.converter = ImageConverter(
+            lambda msg: message_to_input(msg, size, self.limits), self.buffer.set_image,
+            self.reject,
+        )  # fmt: skip
+        for index, (name, topic, compressed) in enumerate(cameras):
             self._subs.append(
                 self.create_subscription(
-                    Image,
+                    CompressedImage if compressed else Image,
                     topic,
                     lambda msg, i=index, n=name: self._on_image(i, n, msg),
                     qos_profile_sensor_data,
@@ -69,12 +106,22 @@ class PrefillNode(EmbodiedNode):
             )
         )
         self.host.observation = self.buffer.observation
+        listed = ", ".join(f"{n} <- {t}" + (" (compressed)" if c else "") for n, t, c in cameras)
         self.get_logger().info(
-            f"cameras {', '.join(f'{n} <- {t}' for n, t in cameras)}; "
-            f"model input {cfg.num_cameras} x {cfg.vision.image_size}px"
+            f"cameras {listed}; model input {cfg.num_cameras} x {cfg.vision.image_size}px; "
+            f"state: {state_dim} of joint_names"
         )
 
+    def start(self) -> None:
+        self.converter.start()
+
+    def stop(self) -> None:
+        self.converter.stop()
+
     def teardown(self) -> None:
+        if self.converter is not None:
+            self.converter.stop()
+        self.converter = None
         self.host.observation = lambda: None
         for sub in self._subs:
             self.destroy_subscription(sub)
@@ -83,18 +130,16 @@ class PrefillNode(EmbodiedNode):
 
     # -- callbacks -------------------------------------------------------------------
 
-    def _on_image(self, index: int, name: str, msg: Image) -> None:
+    def _on_image(self, index: int, name: str, msg: Image | CompressedImage) -> None:
+        """Header checks here (no pixel touched); the conversion on the converter thread."""
         if not self.active:
             return
         try:
-            image = image_to_input(msg, self.buffer.image_size)
+            check_header(msg, self.limits)
         except ValueError as e:
             self.reject("image", f"camera {name}: {e}; frame skipped")
             return
-        except Exception as e:
-            self.reject("image", f"camera {name}: {type(e).__name__}: {e}; frame skipped")
-            return
-        self.buffer.set_image(index, image)
+        self.converter.submit(index, name, msg)
 
     def _on_instruction(self, msg: String) -> None:
         if not self.active:
@@ -134,8 +179,11 @@ class PrefillNode(EmbodiedNode):
             if missing:
                 raise ValueError(f"joint_states lacks {missing}")
             positions = [positions[index[j]] for j in self._joints]
-        if not positions:
-            raise ValueError("joint_states without positions")
+        if len(positions) < self.buffer.state_dim:
+            raise ValueError(
+                f"joint_states with {len(positions)} positions, the robot state has "
+                f"{self.buffer.state_dim}"
+            )
         if not all(math.isfinite(p) for p in positions):
             raise ValueError("joint_states with a non-finite position")
         return positions

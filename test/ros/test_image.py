@@ -9,7 +9,7 @@ pytest.importorskip("rclpy", reason="rclpy is not importable (`make test` instal
 
 from sensor_msgs.msg import Image  # noqa: E402
 
-from embodied_kv.ros.image import image_to_input, image_to_rgb  # noqa: E402
+from embodied_kv.ros.image import image_to_rgb, message_to_input  # noqa: E402
 
 RGB = np.random.default_rng(0).integers(0, 256, (6, 10, 3), dtype=np.uint8)
 
@@ -42,7 +42,7 @@ def test_mono8_is_grey_in_every_channel():
 
 
 def test_input_keeps_aspect_and_pads_with_black():
-    x = image_to_input(message(np.full((16, 32, 3), 255, np.uint8), "rgb8"), size=32)
+    x = message_to_input(message(np.full((16, 32, 3), 255, np.uint8), "rgb8"), size=32)
     assert x.shape == (3, 32, 32) and x.dtype.is_floating_point
     assert float(x[:, 8:24].min()) == 1.0  # the image, white, scaled to 16 x 32
     assert float(x[:, :8].max()) == -1.0 and float(x[:, 24:].max()) == -1.0  # padding
@@ -61,4 +61,4 @@ def test_input_keeps_aspect_and_pads_with_black():
 )
 def test_bad_images_are_value_errors_with_the_reason(msg, complaint):
     with pytest.raises(ValueError, match=complaint):
-        image_to_input(msg, size=32)
+        message_to_input(msg, size=32)
