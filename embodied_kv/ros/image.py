@@ -141,7 +141,8 @@ def compressed_to_rgb(msg, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
 def rgb_to_input(rgb: np.ndarray, size: int) -> torch.Tensor:
     """[H, W, 3] uint8 -> [3, size, size] float32 in [-1, 1] (LeRobot resize_with_pad_torch)."""
     h, w, _ = rgb.shape
-    x = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1).to(torch.float32) / 255.0
+    rgb = np.require(rgb, np.uint8, ["C", "W"])  # torch wants writable memory; copies if not
+    x = torch.from_numpy(rgb).permute(2, 0, 1).to(torch.float32) / 255.0
     if (h, w) != (size, size):  # pi05 `_preprocess_images` resizes only another size
         ratio = max(w / size, h / size)
         rh, rw = int(h / ratio), int(w / ratio)

@@ -106,3 +106,38 @@ def ros():
     harness = RosHarness()
     yield harness
     harness.close()
+
+
+# -- compressed camera frames as image_transport publishes them (test_image, robot tests) --
+
+
+def encode_image(rgb, fmt: str, **kwargs) -> bytes:
+    """jpeg / png bytes of an [H, W, 3] or [H, W] uint8 array (Pillow)."""
+    import io
+
+    import PIL.Image
+
+    out = io.BytesIO()
+    PIL.Image.fromarray(rgb).save(out, format=fmt.upper(), **kwargs)
+    return out.getvalue()
+
+
+def png_header_only(w: int, h: int) -> bytes:
+    """A PNG whose IHDR says w x h (8-bit RGB) but whose pixel data stops within the first
+    row (a cut zlib stream, no IEND): decoding it fails, reading its header does not."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" + bytes(3 * w))[:-3]
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat)
+
+
+@pytest.fixture(scope="session")
+def image_files():
+    """(encode_image, png_header_only): test modules cannot import a conftest."""
+    return encode_image, png_header_only

@@ -30,7 +30,7 @@ from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor  # noqa: E402
-from sensor_msgs.msg import Image, JointState  # noqa: E402
+from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
 from std_msgs.msg import Float64MultiArray, String  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
@@ -47,6 +47,7 @@ STARTUP_TIMEOUT_S = 90.0  # interpreter + torch + rclpy imports, engine build, o
 TIMEOUT_S = 15.0
 EXIT_TIMEOUT_S = 30.0
 FOREIGN = "foreign"  # a disk capsule taken with another engine config
+WRIST_TOPIC = "camera/wrist/image_raw/compressed"  # the default topic of 'wrist::compressed'
 
 CONFIG = f"""
 /**:
@@ -62,8 +63,9 @@ CONFIG = f"""
     capsules: {{disk_dir: "{{disk}}", history: 8}}
 prefill:
   ros__parameters:
-    cameras: [front, wrist]
+    cameras: [front, "wrist::compressed"]  # wrist: CompressedImage on .../image_raw/compressed
     max_instruction_chars: 200
+    image: {{max_width: 4096, max_height: 4096, max_pixels: 16777216, max_bytes: 30000}}
 kv_manager:
   ros__parameters:
     diagnostics_period_s: 0.5
@@ -104,9 +106,24 @@ class Robot:
         return self.process.returncode
 
 
+def fixed_rgb(seed: int, h: int = 24, w: int = 40) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
 def fixed_image(seed: int, h: int = 24, w: int = 40) -> Image:
-    rgb = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    rgb = fixed_rgb(seed, h, w)
     return Image(height=h, width=w, encoding="rgb8", step=3 * w, data=rgb.tobytes())
+
+
+def fixed_compressed(seed: int, fmt: str = "png") -> CompressedImage:
+    """The pixels of fixed_image(seed), as an image_transport `compressed` publisher sends them."""
+    import io
+
+    import PIL.Image
+
+    out = io.BytesIO()
+    PIL.Image.fromarray(fixed_rgb(seed)).save(out, format=fmt.upper(), quality=90)
+    return CompressedImage(format=f"rgb8; {fmt} compressed rgb8", data=out.getvalue())
 
 
 class Probe:
@@ -132,7 +149,7 @@ class Probe:
         node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 10)
         self.pub = {
             "front": node.create_publisher(Image, "camera/front/image_raw", 10),
-            "wrist": node.create_publisher(Image, "camera/wrist/image_raw", 10),
+            "wrist": node.create_publisher(CompressedImage, WRIST_TOPIC, 10),
             "joint_states": node.create_publisher(JointState, "joint_states", 10),
             "instruction": node.create_publisher(String, "instruction", 10),
             "question": node.create_publisher(String, "question", 10),
@@ -196,7 +213,7 @@ class Probe:
         robot holds them (latest wins) before this returns."""
         for _ in range(3):
             self.publish("front", fixed_image(seed))
-            self.publish("wrist", fixed_image(seed + 1000))
+            self.publish("wrist", fixed_compressed(seed + 1000))
             positions = np.random.default_rng(seed).uniform(-1, 1, len(JOINTS)).tolist()
             self.publish("joint_states", JointState(name=JOINTS, position=positions))
             self.publish("instruction", String(data=instruction))
