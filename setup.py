@@ -35,6 +35,7 @@ setup(
     extras_require={
         # rclpy and the message wheels; embodied_kv.msg/.srv also need the cmake build.
         "ros": [
+            "pillow",  # sensor_msgs/CompressedImage (jpeg / png) in ros/image.py
             "PyYAML",
             "ros-rclpy",
             "ros-rmw-fastrtps-cpp",

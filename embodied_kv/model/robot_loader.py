@@ -50,7 +50,7 @@ def load_robot_io(
     if mask is None:
         mask = (stats.delta_mask if stats is not None else None) or ()
     if stats is None:
-        why = f"no statistics in {source}" if source else "no checkpoint"
+        why = f"no statistics in {source}" if source else "random weights have no statistics"
         io = RobotIO(state_dim, action_dim, delta_mask=mask, source=f"identity: {why}")
     else:
         io = RobotIO(

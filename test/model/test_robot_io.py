@@ -263,7 +263,7 @@ def test_missing_or_inconsistent_files_are_refused_naming_the_file(
 def test_no_statistics_is_identity_and_says_so(tmp_path):
     io = load_robot_io(RobotSpec(), "", 8, 8)
     assert io.identity and (io.state_dim, io.action_dim) == (8, 8)
-    assert "identity" in io.describe() and "no checkpoint" in io.describe()
+    assert "identity" in io.describe() and "random weights have no statistics" in io.describe()
     x = np.random.default_rng(0).normal(size=(3, 8))
     assert np.array_equal(io.actions_out(x, None), x)
     engine = Engine(EngineConfig())
