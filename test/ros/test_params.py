@@ -94,3 +94,17 @@ def test_shipped_config_sizes_the_arena_for_pi05():
     loop = LoopConfig(narration_tokens=cfg.narration_tokens, answer_tokens=cfg.answer_tokens)
     pi05 = get_preset("pi05")
     assert arena_rows(cfg, pi05, loop) >= pi05.prefix_tokens_max + cfg.answer_tokens
+
+
+def test_robot_block_becomes_the_engines_robot_spec():
+    values = {spec.name: spec.default for spec in ENGINE_PARAMS}
+    cfg = engine_config(values.__getitem__)
+    assert (cfg.robot.state_dim, cfg.robot.action_dim, cfg.robot.delta_mask) == (0, 0, "")
+    values |= {"robot.action_dim": 7, "robot.delta_mask": "6,-1", "robot.norm_mode": "mean_std"}
+    cfg = engine_config(values.__getitem__)
+    robot = cfg.robot
+    assert (robot.action_dim, robot.delta_mask, robot.norm_mode) == (7, "6,-1", "mean_std")
+    with pytest.raises(ValueError, match="delta_mask 'six'"):
+        engine_config((values | {"robot.delta_mask": "six"}).__getitem__)
+    with pytest.raises(ValueError, match=r"parameter robot.state_dim=1.5 must be an integer"):
+        engine_config((values | {"robot.state_dim": 1.5}).__getitem__)
