@@ -76,7 +76,7 @@ class DemoWorld:
         self.executor.add_node(self.node)
         self._spinner = threading.Thread(target=self._spin, name="demo-executor", daemon=True)
         self._spinner.start()
-        cameras = [camera_topic(e)[1] for e in prefill.get("cameras", DEFAULT_CAMERAS)]
+        cameras = [camera_topic(e)[1:] for e in prefill.get("cameras", DEFAULT_CAMERAS)]
         self.sim = SimRobot(self.node, cameras, list(prefill.get("joint_names", DEFAULT_JOINTS)))
         self.listener = Listener(self.node, 1.0 / self.rate_hz)
         self.snapshot = self.node.create_client(Snapshot, "kv_manager/snapshot")

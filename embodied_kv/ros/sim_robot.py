@@ -1,19 +1,21 @@
 """A simulated robot for `make demo` and the tests: what a real one would publish.
 
-Synthetic camera frames (rgb8, a pattern that drifts with time, at the camera's own
-resolution so the converter resizes them) and joint states on timers, plus one-shot
+Synthetic camera frames (rgb8, or jpeg for a camera configured `:compressed`, a pattern
+that drifts with time, at the camera's own resolution so the converter resizes them)
+and joint states on timers, plus one-shot
 publishers for the instruction, questions, memory updates and plan requests.
 """
 
 from __future__ import annotations
 
+import io
 import time
 
 import numpy as np
 from builtin_interfaces.msg import Time
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
-from sensor_msgs.msg import Image, JointState
+from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import Header, String
 
 from embodied_kv.msg import MemoryUpdate
@@ -28,6 +30,16 @@ def rgb8_image(rgb: np.ndarray, frame_id: str = "") -> Image:
         height=h, width=w, encoding="rgb8", step=3 * w, data=rgb.tobytes(),
         header=_header(frame_id),
     )  # fmt: skip
+
+
+def jpeg_image(rgb: np.ndarray) -> CompressedImage:
+    """[H, W, 3] uint8 -> sensor_msgs/CompressedImage, as image_transport's jpeg publisher."""
+    from PIL import Image as PILImage
+
+    out = io.BytesIO()
+    PILImage.fromarray(rgb).save(out, format="JPEG", quality=90)
+    return CompressedImage(header=_header(), format="rgb8; jpeg compressed rgb8",
+                           data=out.getvalue())  # fmt: skip
 
 
 def pattern(h: int, w: int, t: float, phase: float) -> np.ndarray:
@@ -50,7 +62,7 @@ class SimRobot:
     def __init__(
         self,
         node: Node,
-        camera_topics: list[str],
+        cameras: list[tuple[str, bool]],  # (topic, compressed)
         joint_names: list[str],
         image_hw: tuple[int, int] = (96, 128),
         camera_hz: float = 15.0,
@@ -59,7 +71,8 @@ class SimRobot:
         self.node, self.joint_names, self.image_hw = node, joint_names, image_hw
         self._t0 = time.monotonic()
         self._cams = [
-            node.create_publisher(Image, topic, qos_profile_sensor_data) for topic in camera_topics
+            (node.create_publisher(CompressedImage if c else Image, t, qos_profile_sensor_data), c)
+            for t, c in cameras
         ]
         self._joints = node.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
         self.instruction = node.create_publisher(String, "instruction", 10)
@@ -73,8 +86,9 @@ class SimRobot:
 
     def _publish_frames(self) -> None:
         t = time.monotonic() - self._t0
-        for i, pub in enumerate(self._cams):
-            pub.publish(rgb8_image(pattern(*self.image_hw, t, phase=1.3 * i)))
+        for i, (pub, compressed) in enumerate(self._cams):
+            rgb = pattern(*self.image_hw, t, phase=1.3 * i)
+            pub.publish(jpeg_image(rgb) if compressed else rgb8_image(rgb))
 
     def _publish_joints(self) -> None:
         t = time.monotonic() - self._t0
