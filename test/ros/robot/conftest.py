@@ -220,6 +220,18 @@ class Probe:
             time.sleep(0.1)
         time.sleep(0.2)
 
+    def first_chunk_after(self, since: float) -> bytes:
+        """Positions (float64 bytes) of the first action_chunk of frame 0 received after
+        `since`: the first chunk of the episode a reset just began."""
+
+        def find():
+            for t, msg in list(self.chunks):
+                if t >= since and msg.header.frame_id == "0":
+                    return np.array([p.positions for p in msg.points], dtype=np.float64).tobytes()
+            return None
+
+        return self.wait_until(find, "the first chunk of the episode")
+
     def ask(self, question: str) -> None:
         self.publish("question", String(data=question))
 

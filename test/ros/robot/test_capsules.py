@@ -4,25 +4,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from embodied_kv.msg import TextChunk
 from embodied_kv.srv import ListCapsules, Reset, Rollback, Snapshot
 
 TIER_HOST, TIER_DISK = Snapshot.Request.TIER_HOST, Snapshot.Request.TIER_DISK
-
-
-def first_chunk_after(robot, since: float) -> bytes:
-    """Positions (float64 bytes) of the first action_chunk of frame 0 received after
-    `since`: the first chunk of the episode a reset just began."""
-
-    def find():
-        for t, msg in list(robot.chunks):
-            if t >= since and msg.header.frame_id == "0":
-                return np.array([p.positions for p in msg.points], dtype=np.float64).tobytes()
-        return None
-
-    return robot.wait_until(find, "the first chunk of the episode")
 
 
 def test_three_episodes_with_reset_start_with_the_same_chunk(robot):
@@ -33,7 +18,7 @@ def test_three_episodes_with_reset_start_with_the_same_chunk(robot):
         since = time.monotonic()
         assert response.success, response.message
         assert response.restore_ms >= 0.0
-        firsts.append(first_chunk_after(robot, since))
+        firsts.append(robot.first_chunk_after(since))
         # the episode goes its own way: other frames, another instruction, a question
         robot.observe(seed=100 + episode, instruction=f"episode {episode}: wander off")
         robot.ask(f"where am I in episode {episode}?")

@@ -28,16 +28,6 @@ def local_engine():
     return Engine(EngineConfig(preset="tiny", device="cpu", seed=0))
 
 
-def first_chunk_after(robot, since: float) -> bytes:
-    def find():
-        for t, msg in list(robot.chunks):
-            if t >= since and msg.header.frame_id == "0":
-                return np.array([p.positions for p in msg.points], dtype=np.float64).tobytes()
-        return None
-
-    return robot.wait_until(find, "the first chunk of the episode")
-
-
 @pytest.mark.parametrize("fmt", ["png", "jpeg"])
 def test_compressed_frames_reach_the_model_as_decoded(robot, local_engine, image_files, fmt):
     encode, _ = image_files
@@ -58,7 +48,7 @@ def test_compressed_frames_reach_the_model_as_decoded(robot, local_engine, image
     time.sleep(0.3)  # the converter thread has delivered the frames
     response = robot.call("reset", Reset.Request())
     assert response.success, response.message
-    got = first_chunk_after(robot, time.monotonic())
+    got = robot.first_chunk_after(time.monotonic())
 
     decoded = compressed_to_rgb(wrist_msg)  # what Pillow makes of it, here as there
     if fmt == "png":
