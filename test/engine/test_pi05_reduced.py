@@ -76,7 +76,7 @@ def test_whole_cycle_snapshot_and_restore(engine):
     prompt = m.embed_prefix(synthetic_observation(m.cfg, 0, "put the red cup on the plate"))
     assert first.prefix_len == prompt.embeds.shape[0] > 3 * 256
     assert len(velocities) == m.cfg.denoise_steps == 10
-    assert first.chunk.shape == (50, 32) and first.chunk.dtype.name == "float32"
+    assert first.chunk.shape == (50, 32) and first.chunk.dtype.name == "float64"  # robot units
     assert (abs(first.chunk) < 1e3).all()
     # the answer and the narration decode together: 2 tokens per packed step (plus the
     # narration's first token, from the prefill's logits)
