@@ -128,7 +128,13 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return [path / f for f in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
+    # LeRobot's processor state files (policy_*processor_step_*.safetensors) hold statistics
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("policy_"))
+    if not files and (path / "params").is_dir():
+        raise ValueError(
+            f"{path}: an openpi JAX checkpoint (params/, orbax) has no safetensors; convert it "
+            "with openpi's examples/convert_jax_model_to_pytorch.py (model.safetensors)"
+        )
     if not files:
         raise ValueError(f"{path}: no model.safetensors, index json or *.safetensors inside")
     return files

@@ -260,6 +260,20 @@ def test_missing_or_inconsistent_files_are_refused_naming_the_file(
         load_robot_io(RobotSpec(asset_id="trossen"), str(folder), 8, 4)  # 5 actions > 4
 
 
+def test_an_openpi_jax_checkpoint_is_refused_with_the_way_out(tmp_path, checkpoint_writers):
+    _, _, make_stats = checkpoint_writers
+    folder = tmp_path / "jax"
+    (folder / "params").mkdir(parents=True)
+    (folder / "assets" / "trossen").mkdir(parents=True)
+    stats = {k: {s: v.tolist() for s, v in make_stats(8, i).items()}
+             for i, k in enumerate(("state", "actions"))}  # fmt: skip
+    (folder / "assets" / "trossen" / "norm_stats.json").write_text(
+        json.dumps({"norm_stats": stats})
+    )
+    with pytest.raises(ValueError, match="convert_jax_model_to_pytorch.py"):
+        Engine(EngineConfig(weights=str(folder)))
+
+
 def test_no_statistics_is_identity_and_says_so(tmp_path):
     io = load_robot_io(RobotSpec(), "", 8, 8)
     assert io.identity and (io.state_dim, io.action_dim) == (8, 8)
