@@ -42,6 +42,8 @@ def load_robot_io(
     """ValueError naming the file or the YAML key when something does not fit."""
     source = spec.norm_stats or weights
     stats = find_stats(source, spec.norm_mode, spec.asset_id) if source else None
+    if spec.norm_stats and stats is None:
+        raise ValueError(f"robot.norm_stats={spec.norm_stats!r} holds no statistics")
     state_dim = _dim("state_dim", spec.state_dim, stats, stats and stats.state, model_state_dim)
     action_dim = _dim(
         "action_dim", spec.action_dim, stats, stats and stats.action, model_action_dim

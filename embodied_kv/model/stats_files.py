@@ -63,8 +63,9 @@ def find_stats(path: str | Path, norm_mode: str = "", asset_id: str = "") -> Che
         return read_lerobot(p)
     if (p / "norm_stats.json").is_file():
         return read_openpi(p / "norm_stats.json", norm_mode)
-    if (p / "assets").is_dir():
-        return read_openpi(openpi_stats_file(p / "assets", asset_id), norm_mode)
+    if (p / "assets").is_dir() or p.name == "assets":
+        assets = p if p.name == "assets" else p / "assets"
+        return read_openpi(openpi_stats_file(assets, asset_id), norm_mode)
     if (p / "params").is_dir():
         raise ValueError(f"{p}: openpi checkpoint (params/) without assets/<id>/norm_stats.json")
     if (p / "config.json").is_file() and _is_lerobot_policy(p / "config.json"):

@@ -256,6 +256,11 @@ def test_missing_or_inconsistent_files_are_refused_naming_the_file(
     with pytest.raises(ValueError, match=r"several assets .*robot.asset_id"):
         find_stats(folder)
     assert find_stats(folder, asset_id="org/aloha").layout == "openpi"
+    assert find_stats(folder / "assets", asset_id="trossen").layout == "openpi"
+    io = load_robot_io(RobotSpec(norm_stats=str(assets / "trossen")), "", 8, 8)
+    assert (io.state_dim, io.action_dim) == (S, A) and "trossen/norm_stats.json" in io.source
+    with pytest.raises(ValueError, match="holds no statistics"):
+        load_robot_io(RobotSpec(norm_stats=str(tmp_path / "d" / "model.safetensors")), "", 8, 8)
     with pytest.raises(ValueError, match="action_dim 5 exceed the model's 8 / 4"):
         load_robot_io(RobotSpec(asset_id="trossen"), str(folder), 8, 4)  # 5 actions > 4
 
