@@ -14,6 +14,7 @@ normalises it (model/action_space.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from rclpy.qos import qos_profile_sensor_data
@@ -30,6 +31,7 @@ DEFAULT_JOINTS = [f"joint_{i}" for i in range(1, 8)] + ["gripper"]
 
 
 COMPRESSED = "compressed"
+LIMIT_KEYS = tuple(f.name for f in dataclasses.fields(ImageLimits))
 
 
 def camera_topic(entry: str) -> tuple[str, str, bool]:
@@ -66,16 +68,13 @@ class PrefillNode(EmbodiedNode):
         self.declare_parameter("joint_names", DEFAULT_JOINTS)  # state order in joint_states
         self.declare_parameter("max_instruction_chars", 400)
         defaults = ImageLimits()
-        for key in ("max_width", "max_height", "max_pixels", "max_bytes"):
+        for key in LIMIT_KEYS:  # image.max_width, ...: frames refused before decoding
             self.declare_parameter(f"image.{key}", getattr(defaults, key))
 
     def setup(self) -> None:
         cameras = [camera_topic(e) for e in self.param("cameras")]
         cfg = self.engine.model.cfg
-        self.limits = ImageLimits(
-            **{k: int(self.param(f"image.{k}")) for k in ("max_width", "max_height",
-                                                           "max_pixels", "max_bytes")}
-        )  # fmt: skip
+        self.limits = ImageLimits(**{k: int(self.param(f"image.{k}")) for k in LIMIT_KEYS})
         state_dim = self.engine.robot.state_dim
         self._joints = list(self.param("joint_names"))
         if self._joints and len(self._joints) < state_dim:
