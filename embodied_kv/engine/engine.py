@@ -7,6 +7,7 @@ queue has its own lock and is popped by the output path without waiting for it.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,14 @@ from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.graphs import GraphRunner
 from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
-from embodied_kv.kv.capsule import capture, check_identity, identity_of, load_slot, restore
+from embodied_kv.kv.capsule import (
+    Identity,
+    capture,
+    check_identity,
+    identity_of,
+    load_slot,
+    restore,
+)
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
 from embodied_kv.kv.manager import KVCacheManager, TaskKind
 from embodied_kv.model.action_space import RobotIO
@@ -87,7 +95,11 @@ class Engine:
         if cfg.cuda_graphs and self.model.device.type == "cuda":
             self.graphs = GraphRunner(self.model, self.manager.arena)
             self.model.graphs = self.graphs
-        self.identity = identity_of(self.model, self.manager.arena)
+        base = identity_of(self.model, self.manager.arena)
+        # The action queue a capsule holds is in robot units: other statistics, dims or
+        # delta mask make it another config.
+        robot = hashlib.sha256((base.config + self.robot.fingerprint()).encode()).hexdigest()
+        self.identity = Identity(base.weights, robot)
         self.frame = 0
         self.instruction = ""
         self.history: list[str] = []

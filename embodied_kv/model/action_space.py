@@ -20,6 +20,7 @@ chunk: actions out), so the action queue, `action` and `action_chunk` carry robo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,15 @@ class RobotIO:
             f"{f' ({deltas} as deltas to the state)' if deltas else ''}; "
             f"normalisation {self.source}"
         )
+
+    def fingerprint(self) -> str:
+        """sha256 of everything that decides the robot units (dims, modes, statistics, mask)."""
+        h = hashlib.sha256(repr((self.state_dim, self.action_dim, self.delta_mask)).encode())
+        for norm in (self.state, self.action):
+            h.update(repr((norm.mode.value, norm.convention, norm.eps)).encode())
+            for key in sorted(norm.stats):
+                h.update(key.encode() + np.ascontiguousarray(norm.stats[key]).tobytes())
+        return h.hexdigest()
 
     def check_model(self, model_state_dim: int, model_action_dim: int) -> None:
         if self.state_dim > model_state_dim or self.action_dim > model_action_dim:

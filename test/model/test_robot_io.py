@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from embodied_kv.engine.engine import Engine, EngineConfig
+from embodied_kv.kv.capsule_store import StoreConfig
 from embodied_kv.model.action_space import RobotIO, make_bool_mask, parse_mask
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.normalize import FeatureNorm, NormMode
@@ -277,6 +278,25 @@ def test_an_openpi_jax_checkpoint_is_refused_with_the_way_out(tmp_path, checkpoi
     )
     with pytest.raises(ValueError, match="convert_jax_model_to_pytorch.py"):
         Engine(EngineConfig(weights=str(folder)))
+
+
+def test_a_capsule_of_other_robot_units_is_another_config(tmp_path, source, checkpoint_writers):
+    """The action queue in a capsule is in robot units: restoring it under other
+    statistics or another delta mask is refused like any other config change."""
+    write_lerobot, _, make_stats = checkpoint_writers
+    folder = write_lerobot(tmp_path / "p", source, make_stats(S, 1), make_stats(A, 2))
+    store = StoreConfig(disk_dir=str(tmp_path / "capsules"))
+    first = Engine(EngineConfig(weights=str(folder), store=store))
+    first.observe(robot_observation(first.model.cfg, np.zeros(S)))
+    first.cycle(0)
+    first.snapshot("mid", "disk")
+    same = Engine(EngineConfig(weights=str(folder), store=store))
+    same.restore("mid")  # the same robot units: fine
+    assert same.queue.state_meta() == first.queue.state_meta()
+    deltas = Engine(EngineConfig(weights=str(folder), store=store,
+                                 robot=RobotSpec(delta_mask="2")))  # fmt: skip
+    with pytest.raises(ValueError, match="taken with another config"):
+        deltas.restore("mid")
 
 
 def test_no_statistics_is_identity_and_says_so(tmp_path):
