@@ -151,6 +151,9 @@ def test_png_round_trip_is_exact_and_jpeg_decodes_as_pillow_does(image_files):
     assert all(np.array_equal(mono[:, :, c], grey) for c in range(3))
     x = message_to_input(compressed(encode(rgb, "PNG"), "png"), size=32)
     assert torch.equal(x, rgb_to_input(rgb, 32))
+    deep = np.full((4, 4), 40000, np.uint16)  # a 16-bit png (depth camera) is not 8-bit colour
+    with pytest.raises(ValueError, match="PNG of mode I;16.* is not supported"):
+        compressed_to_rgb(compressed(encode(deep, "PNG"), "png"))
 
 
 def test_oversized_frames_are_refused_from_the_header_before_any_decode(image_files):
