@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +31,7 @@ from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.config import ModelConfig, get_preset
 from embodied_kv.model.robot_loader import RobotSpec, find_tokenizer, load_robot_io
 from embodied_kv.model.vla import Observation, build_model
+from embodied_kv.timing import device_clock, elapsed_ms
 
 EPISODE_START = "episode_start"
 
@@ -93,7 +93,7 @@ class Engine:
         self.store = CapsuleStore(cfg.store, self.model.device)
         self.graphs = None
         if cfg.cuda_graphs and self.model.device.type == "cuda":
-            self.graphs = GraphRunner(self.model, self.manager.arena)
+            self.graphs = GraphRunner(self.model, self.manager.arena, mode="cuda")
             self.model.graphs = self.graphs
         base = identity_of(self.model, self.manager.arena)
         # The action queue a capsule holds is in robot units: other statistics, dims or
@@ -134,7 +134,7 @@ class Engine:
         """Capture the CUDA graphs (on CUDA) and run one cycle's work without a deadline."""
         with self.lock:
             if self.graphs is not None:
-                self.graphs.capture_steps()
+                self.graphs.capture()
             if self._obs is not None:
                 self.loop.warmup(self._obs)
 
@@ -168,7 +168,8 @@ class Engine:
     ) -> tuple[CapsuleInfo, float]:
         """Capture the whole boundary -> (info, elapsed ms)."""
         with self.lock:
-            t = time.perf_counter()
+            clock = device_clock(self.model.device)
+            t = clock()
             cap = capture(
                 name,
                 self.manager.arena,
@@ -178,17 +179,16 @@ class Engine:
                 {"instruction": self.instruction, "frame": self.frame},
             )
             info = self.store.put(cap, tier, pin)
-            return info, 1e3 * (time.perf_counter() - t)
+            return info, elapsed_ms(t, clock)
 
     def restore(self, name: str = EPISODE_START, kv_only: bool = False) -> float:
         """Restore a capsule into the live state -> elapsed ms."""
         with self.lock:
-            t = time.perf_counter()
+            clock = device_clock(self.model.device)
+            t = clock()
             cap = self.store.get(name)
             restore(cap, self.manager.arena, self.manager, self.identity, self.sections(), kv_only)
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)
-            return 1e3 * (time.perf_counter() - t)
+            return elapsed_ms(t, clock)
 
     def rollback(self, name: str = "", steps_back: int = 0) -> float:
         """Restore a named capsule, or the boundary `steps_back` cycles before the last."""

@@ -3,7 +3,6 @@ decode every live language request together for the time that is left."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,6 +12,7 @@ from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
 from embodied_kv.kv.manager import KVCacheManager, Request, TaskKind
 from embodied_kv.model.action_space import RobotIO, identity_io
 from embodied_kv.model.vla import Observation
+from embodied_kv.timing import device_clock
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class FrameLoop:
         queue: ActionQueue,
         cfg: LoopConfig,
         policy: LanguagePolicy | None = None,
-        clock=time.perf_counter,
+        clock=None,
         robot: RobotIO | None = None,
     ):
         self.manager, self.queue, self.cfg = manager, queue, cfg
@@ -81,7 +81,8 @@ class FrameLoop:
         c = self.model.cfg
         self.robot = robot or identity_io(c.state_dim, c.action_dim)  # model units -> robot
         self.policy = policy or LanguagePolicy(cfg)
-        self.clock = clock
+        # every timed region waits for the device's queued work (embodied_kv/timing.py)
+        self.clock = clock or device_clock(self.model.device)
         self.cost = StepCost(cfg.cost_ema)
         self.counters = LoopCounters()
 

@@ -1,52 +1,79 @@
-"""CUDA graphs over the arena (FlashRT): capture once, replay with new inputs.
+"""Graphs over the arena (FlashRT): capture once, replay with new inputs.
 
 Every buffer the graphs touch has a fixed address (the arena, the static inputs
 below), so a capsule restore, which copies into the arena, needs no recapture.
 
 * packed steps (decode, mixed, prefill): one graph per token bucket in STEP_BUCKETS;
   a step is padded to the smallest bucket that holds it (padding writes the scratch
-  slot), its plan copied into the static inputs, the graph replayed.
+  slot), its plan copied into the static inputs, the graph replayed. The LM head runs
+  inside the graph on one row per segment only: [logit_rows, V], not [bucket, V].
 * denoising: the whole 10-step Euler loop as one graph per (slot, row bucket); the
-  expert reads rows [0, bucket) and masks those past the prefix length.
+  expert reads rows [0, bucket) and masks those past the prefix length (a device
+  scalar), exactly as the eager path does (model/vla.py `denoise_rows`).
 
-On a CPU the model runs eagerly: `GraphRunner.enabled` is False and every call
-returns None, which sends the caller down the eager path.
+Modes:
+  "cuda"     torch.cuda.graph capture and replay (the product).
+  "emulate"  everything but the CUDA call, on any device: the same static buffers, the
+             same plan copies, the same bucketed functions. Capture records the tensor
+             ops the function runs over those buffers (engine/graph_emulation.py); replay
+             reruns them. Like a CUDA capture, that freezes every host-side value (a
+             Python int, a list, a host tensor's contents) and refuses reading a tensor's
+             value on the host, so CPU tests catch what would break a replay.
+  "off"      no graphs: every call returns None and the caller runs eagerly (the CPU
+             default in production).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from embodied_kv.engine.graph_emulation import record
 from embodied_kv.kv.arena import KVArena
-from embodied_kv.kv.step import PackedStep, Segment, commit_step, plan_step
-from embodied_kv.model.vla import VLA, StepInput
+from embodied_kv.kv.step import PackedStep, Segment, commit_step, logit_rows, plan_step
+from embodied_kv.model.vla import VLA, StepInput, denoise_rows
 
-STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # tokens per packed step
-DENOISE_BUCKETS = (256, 512, 1024, 2048)  # prefix rows the action expert reads
+STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)  # tokens per packed step
 WARMUP_ITERS = 2  # eager runs on a side stream before capture (Triton compiles, cuBLAS plans)
+MODES = ("cuda", "emulate", "off")
+
+
+def default_mode(device: torch.device | str) -> str:
+    """CUDA graphs on a CUDA device, none elsewhere (emulation is chosen explicitly)."""
+    return "cuda" if torch.device(device).type == "cuda" else "off"
 
 
 class StaticStep:
-    """The inputs of one packed-step graph, at fixed addresses."""
+    """The inputs and output of one packed-step graph, at fixed addresses.
+
+    The plan holds device tensors only (`runs`, `kv_len_host` None): nothing host-side
+    may reach the captured function, whose host values would be frozen at capture."""
 
     def __init__(self, model: VLA, arena: KVArena, n: int):
-        dev, L = arena.device, arena.spec.num_layers
+        dev, L, T = arena.device, arena.spec.num_layers, arena.spec.max_len
         self.n = n
         self.x = torch.zeros(n, model.cfg.backbone.width, device=dev, dtype=model.dtype)
         self.slot = torch.full((n,), arena.scratch_slot, device=dev, dtype=torch.int64)
         self.position = torch.zeros(n, device=dev, dtype=torch.int64)
-        self.row = torch.arange(n, device=dev).repeat(L, 1)  # [L, n]
-        self.kv_len = self.row + 1
-        self.plan = PackedStep((), n, self.slot, self.position, self.row, self.kv_len, None, [], [])
-        self.logits: torch.Tensor | None = None  # [n, V] fp32, the graph's output
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.row = (torch.arange(n, device=dev) % T).repeat(L, 1)  # [L, n] scratch rows
+        self.kv_len = self.row + 1  # [L, n]
+        self.last_index = torch.zeros(logit_rows(arena), device=dev, dtype=torch.int64)
+        self.plan = PackedStep(
+            (), n, self.slot, self.position, self.row, self.kv_len, None, None, [],
+            self.last_index,
+        )  # fmt: skip
+        self.logits: torch.Tensor | None = None  # [logit_rows, V] fp32, the graph's output
+        self.replay: Callable[[], None] | None = None
 
     def load(self, plan: PackedStep, x: torch.Tensor) -> None:
+        """Device-to-device copies of a plan (already on the device, see kv/step.py)."""
         self.x.copy_(x, non_blocking=True)
         self.slot.copy_(plan.slot, non_blocking=True)
         self.position.copy_(plan.position, non_blocking=True)
         self.row.copy_(plan.row, non_blocking=True)
         self.kv_len.copy_(plan.kv_len, non_blocking=True)
+        self.last_index.copy_(plan.last_index, non_blocking=True)
 
 
 class GraphRunner:
@@ -54,18 +81,34 @@ class GraphRunner:
         self,
         model: VLA,
         arena: KVArena,
+        mode: str | None = None,
         step_buckets=STEP_BUCKETS,
-        denoise_buckets=DENOISE_BUCKETS,
     ):
-        self.model, self.arena = model, arena
-        self.enabled = arena.device.type == "cuda"
+        mode = default_mode(arena.device) if mode is None else mode
+        if mode not in MODES:
+            raise ValueError(f"graph mode {mode!r}: expected one of {MODES}")
+        if mode == "cuda" and arena.device.type != "cuda":
+            raise ValueError(f"graph mode 'cuda' needs a CUDA arena, got {arena.device}")
+        self.model, self.arena, self.mode = model, arena, mode
+        self.enabled = mode != "off"
+        # a bucket must hold at least one real token with its padding in the scratch slot
         limit = arena.spec.max_len
-        self.step_buckets = tuple(b for b in step_buckets if b <= limit)
-        self.denoise_buckets = tuple(b for b in denoise_buckets if b <= limit)
+        self.step_buckets = tuple(b for b in step_buckets if b - 1 <= limit)
         self._steps: dict[int, StaticStep] = {}
         self._denoise: dict[tuple[int, int], tuple] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.replays = 0
+        self.captures = 0
+
+    def capture(self) -> None:
+        """Capture every step bucket and the denoise loop of every slot and row bucket
+        (configure time; nothing is captured during a control cycle after this)."""
+        self.capture_steps()
+        spec = self.arena.spec
+        rows = sorted({denoise_rows(p, spec.max_len) for p in range(1, spec.max_len + 1)})
+        for slot in range(spec.num_slots):
+            for r in rows:
+                self._denoise_graph(slot, r)
 
     # -- packed step -----------------------------------------------------------------
 
@@ -81,61 +124,67 @@ class GraphRunner:
         bb = self.model.backbone
 
         def fwd():
-            hidden = bb(st.x, st.plan, self.arena)
-            return (hidden @ bb.embed_tokens.weight.t()).float()
+            hidden = bb(st.x, st.plan, self.arena)  # [n, W]
+            return bb.logits(hidden, st.last_index)  # [logit_rows, V] fp32
 
-        st.graph, st.logits = self._capture(fwd)
+        st.replay, st.logits = self._capture(fwd)
         self._steps[n] = st
         return st
 
     @torch.no_grad()
     def step(self, inputs: list[StepInput]) -> torch.Tensor | None:
-        """Replay the packed step; logits [len(inputs), V], or None (eager instead)."""
-        if not self.enabled:
+        """Replay the packed step; logits [len(inputs), V] on the device, or None (no
+        bucket holds the step, or graphs are off: eager instead)."""
+        if not self.enabled or not inputs:
             return None
         n = sum(i.n for i in inputs)
-        size = next((b for b in self.step_buckets if b >= n), None)
+        limit = self.arena.spec.max_len
+        size = next((b for b in self.step_buckets if n <= b <= n + limit), None)
         if size is None:
             return None
         st = self._step_graph(size)
         plan = plan_step(self.arena, [Segment(i.slot, i.n, i.causal) for i in inputs], size)
         st.load(plan, self.model.embed_inputs(inputs, size))
-        st.graph.replay()
+        st.replay()
         self.replays += 1
         commit_step(self.arena, plan)
-        return st.logits[plan.last]
+        # a copy: the static buffer is overwritten by the next replay of this bucket
+        return st.logits[: len(inputs)].clone()
 
     # -- denoising -------------------------------------------------------------------
 
     @torch.no_grad()
     def sample_actions(self, slot: int, prefix_len: int, noise: torch.Tensor):
-        """Replay the Euler loop for (slot, bucket); None if no bucket holds the prefix."""
+        """Replay the Euler loop for (slot, row bucket) -> chunk [H, A]; None when off."""
         if not self.enabled:
             return None
-        rows = next((b for b in self.denoise_buckets if b >= prefix_len), None)
-        if rows is None:
-            return None
-        key = (slot, rows)
-        if key not in self._denoise:
-            dev = self.arena.device
-            noise_s = torch.zeros_like(noise)
-            plen_s = torch.zeros((), dtype=torch.int64, device=dev)
-            expert = self.model.expert
-            graph, out = self._capture(
-                lambda: expert.sample(self.arena, slot, plen_s, noise_s, rows)
-            )
-            self._denoise[key] = (graph, out, noise_s, plen_s)
-        graph, out, noise_s, plen_s = self._denoise[key]
+        rows = denoise_rows(prefix_len, self.arena.spec.max_len)
+        replay, out, noise_s, plen_s = self._denoise_graph(slot, rows)
         noise_s.copy_(noise, non_blocking=True)
         plen_s.fill_(prefix_len)
-        graph.replay()
+        replay()
         self.replays += 1
         return out.clone()
+
+    def _denoise_graph(self, slot: int, rows: int) -> tuple:
+        key = (slot, rows)
+        if key not in self._denoise:
+            c, dev, dt = self.model.cfg, self.arena.device, self.model.dtype
+            noise_s = torch.zeros(c.action_horizon, c.action_dim, device=dev, dtype=dt)  # [H, A]
+            plen_s = torch.full((), rows, dtype=torch.int64, device=dev)  # [] prefix length
+            expert, arena = self.model.expert, self.arena
+            replay, out = self._capture(lambda: expert.sample(arena, slot, plen_s, noise_s, rows))
+            self._denoise[key] = (replay, out, noise_s, plen_s)
+        return self._denoise[key]
 
     # -- capture ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def _capture(self, fn):
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """-> (replay, out): replay() recomputes fn over the static buffers into `out`."""
+        self.captures += 1
+        if self.mode == "emulate":
+            return _emulate_capture(fn)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -145,4 +194,17 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
-        return graph, out
+        return graph.replay, out
+
+
+def _emulate_capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    """Warm up, then record fn's tensor ops over the static buffers (graph_emulation.py):
+    host values frozen, host reads of tensors refused, as in a CUDA capture."""
+    for _ in range(WARMUP_ITERS):
+        fn()
+    run, out = record(fn)  # out: the static output buffer
+
+    def replay() -> None:
+        out.copy_(run())
+
+    return replay, out

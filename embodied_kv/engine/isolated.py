@@ -8,14 +8,13 @@ weights, inputs and policy as the unified loop.
 
 from __future__ import annotations
 
-import time
-
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import CycleResult, TextEvent
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
 from embodied_kv.kv.manager import KVCacheManager
 from embodied_kv.model.action_space import RobotIO, identity_io
 from embodied_kv.model.vla import VLA, Observation
+from embodied_kv.timing import device_clock
 
 
 class IsolatedRunner:
@@ -26,10 +25,11 @@ class IsolatedRunner:
         cfg: LoopConfig,
         max_len: int,
         policy: LanguagePolicy | None = None,
-        clock=time.perf_counter,
+        clock=None,
         robot: RobotIO | None = None,
     ):
-        self.model, self.queue, self.cfg, self.clock = model, queue, cfg, clock
+        self.model, self.queue, self.cfg = model, queue, cfg
+        self.clock = clock or device_clock(model.device)  # synchronizes on CUDA
         c = model.cfg
         self.robot = robot or identity_io(c.state_dim, c.action_dim)  # as FrameLoop
         self.manager = KVCacheManager(model, num_slots=2, max_len=max_len)

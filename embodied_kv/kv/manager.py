@@ -23,6 +23,7 @@ import torch
 
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.model.vla import VLA, Prefix, StepInput
+from embodied_kv.timing import synchronize
 
 
 class TaskKind(enum.Enum):
@@ -139,7 +140,7 @@ class KVCacheManager:
         if suffix:
             req.pending = suffix
         else:
-            self._accept(req, self._pick(req, fp.logits))
+            self._accept(req, self._pick([req], fp.logits[None])[0])
         self.requests[request_id] = req
         self.counters.requests += 1
         return req
@@ -169,16 +170,26 @@ class KVCacheManager:
         if not live:
             return []
         logits = self.model.step(self.arena, self.batch())
-        for req, lg in zip(live, logits, strict=True):
-            self._accept(req, self._pick(req, lg))
+        for req, token in zip(live, self._pick(live, logits), strict=True):
+            self._accept(req, token)
         self.counters.decode_steps += 1
         return live
 
-    def _pick(self, req: Request, logits: torch.Tensor) -> int:
-        if req.generator is None:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float().cpu() / req.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=req.generator))
+    def _pick(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        """Next token of each request from its logits row ([len(reqs), V] on the device).
+
+        Greedy rows: one argmax over the batch on the device. Sampled rows (a request's
+        own CPU generator, so a capsule can carry its state): softmax and multinomial on
+        the host, as always. One host sync reads everything."""
+        greedy = logits.argmax(-1)  # [B] on the device
+        sampled = any(r.generator is not None for r in reqs)
+        ids, rows = read_host(greedy, logits.float() if sampled else None)
+        tokens = ids.tolist()
+        for i, req in enumerate(reqs):
+            if req.generator is not None:
+                probs = torch.softmax(rows[i] / req.temperature, dim=-1)
+                tokens[i] = int(torch.multinomial(probs, 1, generator=req.generator))
+        return tokens
 
     def _accept(self, req: Request, token: int) -> None:
         self.counters.tokens += 1
@@ -216,3 +227,12 @@ class KVCacheManager:
 
     def text(self, req: Request) -> str:
         return self.model.tokenizer.decode(req.tokens)
+
+
+def read_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Device tensors -> host copies after one synchronization (None passes through)."""
+    out = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    devices = {t.device for t in tensors if t is not None}
+    for device in devices:
+        synchronize(device)
+    return out

@@ -8,7 +8,12 @@ A step is a list of segments, each some new tokens of one slot. Laid out flat:
 Token j of a segment of slot s (rows already valid: len) writes row len + j and reads
 rows [0, len + j + 1) if the segment is causal, [0, len + n) if bidirectional (the
 pi0.5 prefix attends to itself in both directions). Positions continue from
-next_pos[s]. The plan is built on the host from the arena's host-side lengths.
+next_pos[s]. The plan is built on the host from the arena's host-side lengths and
+copied to the device from pinned memory without blocking (no host sync in a step).
+
+Logits are computed for one row per segment (its last token), gathered at
+`last_index`: a fixed count of rows, `logit_rows(arena)`, the same in every step, so a
+row's logits do not depend on how many segments share the step (batch invariance).
 """
 
 from __future__ import annotations
@@ -36,14 +41,29 @@ class PackedStep:
     position: torch.Tensor  # [Np] int64, device: RoPE positions
     row: torch.Tensor  # [L, Np] int64, device: where each token's K/V goes
     kv_len: torch.Tensor  # [L, Np] int64, device: rows each token reads
-    kv_len_host: torch.Tensor  # [L, Np] int64, host copy (no sync in the reference)
-    runs: list[Run]  # contiguous runs of one slot (host); the padding is in none: its
-    # attention output is never read, so the reference skips it
-    last: list[int]  # index of each segment's last token
+    kv_len_host: torch.Tensor | None  # [L, Np] int64, host copy; None inside a graph
+    runs: list[Run] | None  # contiguous runs of one slot (host); the padding is in none: its
+    # attention output is never read, so the reference skips it. None inside a graph
+    last: list[int]  # index of each segment's last token (host)
+    last_index: torch.Tensor  # [logit_rows] int64, device: `last`, padded by repeating
 
     @property
     def n_padded(self) -> int:
         return int(self.slot.shape[0])
+
+
+def logit_rows(arena: KVArena) -> int:
+    """Rows of every step's LM-head GEMM: one per possible segment (a step's slots are
+    distinct), bucketed, so eager steps and graphs run the same GEMM shape."""
+    return bucket(arena.spec.num_slots)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> `device` without a host sync: through pinned memory (torch's caching
+    host allocator keeps it alive until the copy is done) and a non-blocking copy."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def plan_step(
@@ -96,17 +116,19 @@ def plan_step(
     row = base + j
     kv_len = base + torch.tensor(tok_reach, dtype=torch.int64)
     position = torch.tensor(tok_pos, dtype=torch.int64)
+    last_index = torch.tensor(last + [last[-1]] * (logit_rows(arena) - len(last)))
     dev = arena.device
     return PackedStep(
         segments=tuple(segments),
         n_real=n_real,
-        slot=slot.to(dev),
-        position=position.to(dev),
-        row=row.to(dev),
-        kv_len=kv_len.to(dev),
+        slot=to_device(slot, dev),
+        position=to_device(position, dev),
+        row=to_device(row, dev),
+        kv_len=to_device(kv_len, dev),
         kv_len_host=kv_len,
         runs=runs,
         last=last,
+        last_index=to_device(last_index, dev),
     )
 
 

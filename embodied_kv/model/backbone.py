@@ -1,4 +1,11 @@
-"""The Gemma backbone over the arena: every call is one packed step."""
+"""The Gemma backbone over the arena: every call is one packed step.
+
+Inside a CUDA graph (engine/graphs.py) the step's plan carries device tensors only
+(`runs` and `kv_len_host` are None): a host value read at capture would be frozen for
+every replay. Attention then goes through `graph_attention`, one opaque op that reads
+slot and kv_len where they live (the Triton kernel on CUDA; the reference in CPU
+emulation, where it stands for the kernel launch).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from embodied_kv.kernels.packed_attention import bucket, packed_attention
+from embodied_kv.kernels.packed_attention import packed_attention
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.step import PackedStep
 from embodied_kv.model.config import GemmaConfig
@@ -42,26 +49,46 @@ class GemmaBackbone(nn.Module):
             k_cache, v_cache = arena.k[i], arena.v[i]
             k_cache[step.slot, step.row[i]] = k.to(k_cache.dtype)
             v_cache[step.slot, step.row[i]] = v.to(v_cache.dtype)
-            o = packed_attention(
-                q,
-                k_cache,
-                v_cache,
-                step.slot,
-                step.kv_len[i],
-                self.scale,
-                step.runs,
-                step.kv_len_host[i],
-            )
+            if step.runs is None:
+                o = graph_attention(q, k_cache, v_cache, step.slot, step.kv_len[i], self.scale)
+            else:
+                o = packed_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    step.slot,
+                    step.kv_len[i],
+                    self.scale,
+                    step.runs,
+                    step.kv_len_host[i],
+                )
             x = x + attn.o_proj(o.reshape(x.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor, index: list[int]) -> torch.Tensor:
-        """Tied LM head on the rows `index` of hidden [Np, W] -> [len(index), V] fp32.
+    def logits(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Tied LM head on the rows `index` ([R] int64, on hidden's device) of hidden
+        [Np, W] -> [R, V] fp32.
 
-        Rows are padded to a bucket so a row's logits do not depend on how many
-        others are computed with it (batch invariance)."""
-        n = len(index)
-        idx = torch.tensor(index + [index[-1]] * (bucket(n) - n), device=hidden.device)
-        h = hidden.index_select(0, idx)
-        return (h @ self.embed_tokens.weight.t())[:n].float()
+        The caller keeps R fixed (kv/step.py `logit_rows`, a ROW_BUCKET multiple), so a
+        row's logits do not depend on how many others are computed with it."""
+        h = hidden.index_select(0, index)
+        return (h @ self.embed_tokens.weight.t()).float()
+
+
+@torch.library.custom_op("embodied_kv::graph_attention", mutates_args=())
+def graph_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot: torch.Tensor,
+    kv_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`packed_attention` with no host metadata: q [N, Hq, D] -> [N, Hq, D]."""
+    return packed_attention(q, k_cache, v_cache, slot, kv_len, scale)
+
+
+@graph_attention.register_fake
+def _(q, k_cache, v_cache, slot, kv_len, scale):
+    return torch.empty_like(q)

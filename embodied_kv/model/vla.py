@@ -8,6 +8,10 @@ prefix slot and never writes the arena.
                         bidirectional within itself; positions 0..P-1
     language request:   continues causally in the same slot from position P
     action expert:      H action tokens at positions P..P+H-1, read rows [0, P)
+
+The action expert always reads a bucket of rows, `denoise_rows(P, max_len)`, and masks
+those >= P, so the eager path and the denoise graph (engine/graphs.py) run the same
+shapes and give the same bytes whether or not a graph exists.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from torch import nn
 
 from embodied_kv.kv.arena import ArenaSpec, KVArena
-from embodied_kv.kv.step import Segment, commit_step, plan_step
+from embodied_kv.kv.step import Segment, commit_step, plan_step, to_device
 from embodied_kv.model.backbone import GemmaBackbone
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.expert import ActionExpert
@@ -27,6 +31,13 @@ from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
 from embodied_kv.model.vision import VisionEncoder
 
 MAX_POSITIONS = 32_768  # RoPE table rows (fp32, 2 x 16 MiB at pi05); bounds arena max_len
+DENOISE_BUCKETS = (256, 512, 1024, 2048)  # prefix rows the action expert reads
+
+
+def denoise_rows(prefix_len: int, max_len: int) -> int:
+    """Rows the action expert reads for a prefix of `prefix_len`: the smallest bucket
+    that holds it within the slot, else the whole slot (max_len)."""
+    return next((b for b in DENOISE_BUCKETS if prefix_len <= b <= max_len), max_len)
 
 
 @dataclass
@@ -67,7 +78,7 @@ class VLA(nn.Module):
         self.backbone = GemmaBackbone(cfg.backbone, cfg.vocab_size, max_pos)
         self.expert = ActionExpert(cfg, max_pos)
         self.tokenizer = make_tokenizer(cfg.tokenizer, tokenizer_path)
-        self.graphs = None  # engine.graphs.GraphRunner over one arena, set on CUDA
+        self.graphs = None  # engine.graphs.GraphRunner over one arena (set by the engine)
         self.weights_id: str | None = None  # model.weights: what the weights are; None = hash them
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ValueError(
@@ -131,9 +142,10 @@ class VLA(nn.Module):
 
     @torch.no_grad()
     def step(self, arena: KVArena, inputs: list[StepInput]) -> torch.Tensor:
-        """Run one packed step; returns fp32 logits [len(inputs), V] at each input's last token.
+        """Run one packed step; returns fp32 logits [len(inputs), V] at each input's last
+        token, on the model's device (no host sync).
 
-        Replays a CUDA graph when engine/graphs.py captured one for this arena and size."""
+        Replays a graph when engine/graphs.py holds one for this arena and size."""
         if self.graphs is not None and self.graphs.arena is arena:
             logits = self.graphs.step(inputs)
             if logits is not None:
@@ -142,19 +154,27 @@ class VLA(nn.Module):
         plan = plan_step(arena, segments)
         hidden = self.backbone(self.embed_inputs(inputs, plan.n_padded), plan, arena)
         commit_step(arena, plan)
-        return self.backbone.logits(hidden, plan.last)
+        return self.backbone.logits(hidden, plan.last_index)[: len(inputs)]
 
     def embed_inputs(self, inputs: list[StepInput], n_padded: int) -> torch.Tensor:
-        """The step's token embeddings laid out flat, zero rows as padding -> [n_padded, W]."""
+        """The step's token embeddings laid out flat, zero rows as padding -> [n_padded, W].
+
+        Every input's ids are embedded in one lookup after one non-blocking copy."""
         x = torch.zeros(n_padded, self.cfg.backbone.width, device=self.device, dtype=self.dtype)
-        start = 0
+        ids = [i.ids.reshape(-1) for i in inputs if i.embeds is None]
+        if ids:
+            if all(t.device != self.device for t in ids):  # host ids: one copy for all
+                flat = to_device(torch.cat(ids), self.device)  # [sum n]
+            else:
+                flat = torch.cat([to_device(t, self.device) for t in ids])
+            embedded = self.backbone.embed(flat).to(self.dtype)  # [sum n, W]
+        start, used = 0, 0
         for inp in inputs:
-            e = (
-                inp.embeds
-                if inp.embeds is not None
-                else self.backbone.embed(inp.ids.to(self.device))
-            )
-            x[start : start + inp.n] = e.to(self.dtype)
+            if inp.embeds is None:
+                x[start : start + inp.n] = embedded[used : used + inp.n]
+                used += inp.n
+            else:
+                x[start : start + inp.n] = inp.embeds.to(self.dtype)
             start += inp.n
         return x
 
@@ -178,12 +198,21 @@ class VLA(nn.Module):
     def sample_actions(
         self, arena: KVArena, slot: int, prefix_len: int, noise: torch.Tensor
     ) -> torch.Tensor:
-        """Action chunk [H, A] from the prefix rows [0, prefix_len) of `slot`."""
+        """Action chunk [H, A] from the prefix rows [0, prefix_len) of `slot`.
+
+        Replays the denoise graph when engine/graphs.py holds one for this arena; the
+        eager path computes the same bytes (same row bucket, same masked loop)."""
         if not 0 < prefix_len <= int(arena.length[:, slot].min()):
             raise ValueError(
                 f"prefix_len {prefix_len} not within slot {slot}'s {arena.slot_len(slot)} rows"
             )
-        return self.expert.sample(arena, slot, prefix_len, noise)
+        if self.graphs is not None and self.graphs.arena is arena:
+            chunk = self.graphs.sample_actions(slot, prefix_len, noise)
+            if chunk is not None:
+                return chunk
+        rows = denoise_rows(prefix_len, arena.spec.max_len)
+        plen = torch.full((), prefix_len, dtype=torch.int64, device=self.device)  # no H2D copy
+        return self.expert.sample(arena, slot, plen, noise, rows)
 
 
 def build_model(

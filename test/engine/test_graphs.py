@@ -1,93 +1,243 @@
-"""CUDA-graph replay = eager, bytes. The replay tests need a CUDA device and are
-skipped without one (this project's CI has none); the masked-bucket expert path
-that the denoise graph replays is checked on the CPU as well."""
+"""Graph replay = eager, in bytes, across replays with different inputs.
 
+Every test runs in "emulate" mode (the static buffers, plan copies and bucketed
+functions of the CUDA path, traced and replayed on the CPU) and, on a machine with
+CUDA, in "cuda" mode as well (real torch.cuda.graph capture; `make gpu-check`). A
+value frozen at capture time (a host list, a host tensor, a Python int) makes a later
+replay with other inputs differ from eager, so these tests fail on it.
+"""
+
+import numpy as np
 import pytest
 import torch
 
-from embodied_kv.engine.graphs import GraphRunner
+from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.frame_loop import FrameLoop
+from embodied_kv.engine.graphs import GraphRunner, _emulate_capture
+from embodied_kv.engine.policy import LoopConfig
 from embodied_kv.kv.capsule import capture, identity_of, restore
+from embodied_kv.kv.manager import KVCacheManager
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
-from embodied_kv.model.vla import build_model
+from embodied_kv.model.vla import StepInput, build_model, denoise_rows
 
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device; none here"
-)
+MODES = ["emulate"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def test_runner_is_disabled_on_cpu(tiny_model):
-    arena = tiny_model.new_arena(2, 256)
-    g = GraphRunner(tiny_model, arena)
-    assert not g.enabled and g.step([]) is None and g.sample_actions(0, 10, None) is None
-
-
-def test_bucketed_expert_matches_exact_prefix(tiny_model):
-    m = tiny_model
-    arena = m.new_arena(2, 256)
-    s = arena.allocate()
-    m.prefill(arena, s, m.embed_prefix(synthetic_observation(m.cfg, 3)))
-    n = arena.slot_len(s)
-    noise = m.make_noise(0)
-    exact = m.expert.sample(arena, s, n, noise)
-    plen = torch.tensor(n)
-    bucketed = m.expert.sample(arena, s, plen, noise, rows=256)
-    assert torch.allclose(exact, bucketed, atol=1e-5)
-    assert torch.equal(bucketed, m.expert.sample(arena, s, plen, noise, rows=256))
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The product runs torch on one CPU thread (README); two threads on a busy 2-core
+    machine made these tests ~40x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def cuda_model():
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA graphs need a CUDA device; none here")
     return build_model(get_preset("tiny"), "cuda")
 
 
-def prefilled(model, n_slots):
-    arena = model.new_arena(n_slots + 1, 512)
-    for i in range(n_slots):
+@pytest.fixture(params=MODES)
+def mode_model(request, tiny_model):
+    """(graph mode, a tiny model on the device that mode runs on)."""
+    if request.param == "cuda":
+        return "cuda", request.getfixturevalue("cuda_model")
+    return "emulate", tiny_model
+
+
+@pytest.fixture
+def graphs_on(request):
+    """Attach a runner to a model for one test; always detached afterwards."""
+    attached = []
+
+    def attach(model, runner):
+        model.graphs = runner
+        attached.append(model)
+        return runner
+
+    yield attach
+    for m in attached:
+        m.graphs = None
+
+
+def prefilled(model, obs_ids, num_slots=5, max_len=256):
+    arena = model.new_arena(num_slots, max_len)
+    for i in obs_ids:
         s = arena.allocate()
         model.prefill(arena, s, model.embed_prefix(synthetic_observation(model.cfg, i)))
     return arena
 
 
-@needs_cuda
-@pytest.mark.parametrize("batch", [1, 3, 8])
-def test_decode_replay_equals_eager(cuda_model, batch):
-    m = cuda_model
-    eager, graphed = prefilled(m, batch), prefilled(m, batch)
-    runner = GraphRunner(m, graphed)
-    ids = torch.arange(batch, device="cuda") + 40
-    slots = list(range(batch))
-    for _ in range(4):
-        want = m.decode(eager, slots, ids)
-        m.graphs = runner
-        got = m.decode(graphed, slots, ids)
+def assert_same_rows(a, b, slots):
+    for s in slots:
+        assert torch.equal(a.length[:, s], b.length[:, s]) and a.next_pos[s] == b.next_pos[s]
+        n = a.slot_len(s)
+        assert torch.equal(a.k[:, s, :n], b.k[:, s, :n])
+        assert torch.equal(a.v[:, s, :n], b.v[:, s, :n])
+
+
+# -- modes -------------------------------------------------------------------------------
+
+
+def test_off_mode_runs_nothing_and_bad_modes_are_refused(tiny_model):
+    arena = tiny_model.new_arena(2, 256)
+    off = GraphRunner(tiny_model, arena)  # the CPU default
+    assert off.mode == "off" and not off.enabled
+    assert off.step([StepInput(0, ids=torch.tensor([1]))]) is None
+    assert off.sample_actions(0, 10, tiny_model.make_noise(0)) is None
+    assert off.captures == 0 and arena.slot_len(0) == 0
+    with pytest.raises(ValueError, match="expected one of"):
+        GraphRunner(tiny_model, arena, mode="fast")
+    if arena.device.type != "cuda":
+        with pytest.raises(ValueError, match="needs a CUDA arena"):
+            GraphRunner(tiny_model, arena, mode="cuda")
+
+
+# -- the emulator behaves like a CUDA capture ------------------------------------------------
+
+
+def test_emulated_capture_freezes_host_values_and_reads_buffers_live():
+    static = torch.zeros(4)
+    host = [1.0]
+    replay, out = _emulate_capture(lambda: static * 2 + host[0])
+    static.copy_(torch.arange(4.0))
+    host[0] = 100.0  # a host value: frozen at capture, as in a CUDA graph
+    replay()
+    assert out.tolist() == [1.0, 3.0, 5.0, 7.0]
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda t: t * int(t.sum()),
+        lambda t: t * t.sum().item(),
+        lambda t: t * t.sum().tolist(),
+        lambda t: t * float(t.sum().numpy()),
+        lambda t: t[t > 0],  # a value-dependent shape
+        lambda t: t if bool((t > 0).any()) else -t,
+    ],
+)
+def test_emulated_capture_refuses_host_reads_of_tensors(read):
+    static = torch.ones(3)
+    with pytest.raises(RuntimeError, match="reads a tensor's value on the host"):
+        _emulate_capture(lambda: read(static))
+    assert static.tolist() == [1.0, 1.0, 1.0]  # the guard is gone after capture
+
+
+# -- packed steps ----------------------------------------------------------------------------
+
+
+def test_step_buckets_replay_equal_eager_in_bytes(mode_model, graphs_on):
+    """Prefill (bidirectional), batched decode with changing batches, and a mixed step
+    (a new prefill packed with decodes): several replays per bucket, each with other
+    slots, lengths and ids than the capture saw."""
+    mode, m = mode_model
+    dev = m.device
+    eager, graphed = m.new_arena(5, 256), m.new_arena(5, 256)
+    runner = GraphRunner(m, graphed, mode=mode)
+    prefixes = [m.embed_prefix(synthetic_observation(m.cfg, i, f"task {i}")) for i in range(4)]
+
+    def both(inputs):
+        want = m.step(eager, inputs)
+        graphs_on(m, runner)
+        got = m.step(graphed, inputs)
         m.graphs = None
         assert torch.equal(want, got)
-        ids = want.argmax(-1)
-    assert runner.replays == 4
-    for s in slots:
-        n = eager.slot_len(s)
-        assert torch.equal(eager.k[:, s, :n], graphed.k[:, s, :n])
+        return want
+
+    for s in (0, 1, 2):
+        for a in (eager, graphed):
+            assert a.allocate() == s
+        both([StepInput(s, embeds=prefixes[s].embeds, causal=False)])
+    slots, ids = [0, 1, 2], torch.tensor([40, 41, 42], device=dev)
+    for batch in ([0, 1, 2], [2, 0], [1], [0, 2, 1]):
+        logits = both([StepInput(s, ids=ids[slots.index(s)].reshape(1)) for s in batch])
+        for s, lg in zip(batch, logits, strict=True):
+            ids[slots.index(s)] = lg.argmax()
+    for a in (eager, graphed):
+        assert a.allocate() == 3
+    mixed = [StepInput(3, embeds=prefixes[3].embeds, causal=False)]
+    mixed += [StepInput(s, ids=ids[i].reshape(1)) for i, s in enumerate(slots)]
+    both(mixed)
+    both([StepInput(1, ids=torch.tensor([7, 8, 9]))])  # causal multi-token append
+    assert_same_rows(eager, graphed, range(4))
+    assert runner.replays == 3 + 4 + 2
+    assert runner.captures == len(runner._steps) >= 2  # the decode bucket was replayed 4x
 
 
-@needs_cuda
-def test_denoise_replay_equals_eager_and_survives_restore(cuda_model):
-    m = cuda_model
-    arena = prefilled(m, 1)
-    n = arena.slot_len(0)
-    runner = GraphRunner(m, arena)
-    noise = m.make_noise(7)
-    rows = next(b for b in runner.denoise_buckets if b >= n)
-    want = m.expert.sample(arena, 0, torch.tensor(n, device="cuda"), noise, rows=rows)
-    got = runner.sample_actions(0, n, noise)
-    assert torch.equal(want, got)
-    ident = identity_of(m, arena)
-    cap = capture("c", arena, None, ident)
-    arena.k.normal_()
-    arena.v.normal_()
-    restore(cap, arena, None, ident)
-    graphs_before = len(runner._denoise)
-    assert torch.equal(runner.sample_actions(0, n, noise), want)  # no recapture needed
-    assert len(runner._denoise) == graphs_before
+# -- denoising -------------------------------------------------------------------------------
+
+
+def test_denoise_replay_equals_eager_and_survives_restore(mode_model, graphs_on):
+    """One graph (slot 0, its row bucket) replayed for other prefixes (other lengths,
+    hence another device prefix length) and other noise: eager bytes every time."""
+    mode, m = mode_model
+    eager = prefilled(m, [3])
+    graphed = prefilled(m, [3])
+    runner = graphs_on(m, GraphRunner(m, graphed, mode=mode))
+    chunks = []
+    for obs, seed in ((3, 7), (5, 8), (6, 9)):
+        for a in (eager, graphed):
+            a.clear(0)
+            m.prefill(a, 0, m.embed_prefix(synthetic_observation(m.cfg, obs, "x" * 7 * obs)))
+        n = graphed.slot_len(0)
+        noise = m.make_noise(seed)
+        got = m.sample_actions(graphed, 0, n, noise)
+        m.graphs = None
+        want = m.sample_actions(eager, 0, n, noise)
+        m.graphs = runner
+        assert torch.equal(want, got)
+        chunks.append((n, noise, got))
+    assert len({n for n, _, _ in chunks}) == 3  # three prefix lengths, one graph
+    assert len(runner._denoise) == 1 and runner.replays == 3 + 3  # 3 prefills, 3 chunks
+    # a restore copies into the same arena buffers: the graph still reads them
+    ident = identity_of(m, graphed)
+    cap = capture("c", graphed, None, ident)
+    graphed.k.normal_()
+    graphed.v.normal_()
+    restore(cap, graphed, None, ident)
+    n, noise, want = chunks[-1]
+    captures = runner.captures
+    assert torch.equal(m.sample_actions(graphed, 0, n, noise), want)
+    assert runner.captures == captures
+
+
+def test_denoise_rows_is_a_bucket_within_the_slot():
+    assert denoise_rows(1, 512) == 256 and denoise_rows(256, 512) == 256
+    assert denoise_rows(257, 512) == 512 and denoise_rows(300, 320) == 320
+
+
+# -- the frame loop goes through the graphs ----------------------------------------------
+
+
+def test_frame_loop_uses_the_graphs_and_equals_eager(tiny_model, graphs_on):
+    m = tiny_model
+    cfg = LoopConfig(period_s=10.0, narrate_every=2, narration_tokens=6, max_decode_steps=3)
+
+    def run(graph_mode):
+        c = m.cfg
+        loop = FrameLoop(
+            KVCacheManager(m, 3, 256), ActionQueue(c.action_horizon, c.action_dim), cfg
+        )
+        runner = GraphRunner(m, loop.manager.arena, mode=graph_mode)
+        graphs_on(m, runner)
+        chunks, texts = [], {}
+        for f in range(4):
+            res = loop.cycle(synthetic_observation(m.cfg, f), f, 5 * f)
+            chunks.append(res.chunk)
+            texts.update({e.request_id: e.text for e in res.events})
+        for e in loop.finish_all():
+            texts[e.request_id] = e.text
+        m.graphs = None
+        return chunks, texts, runner
+
+    eager_chunks, eager_texts, _ = run("off")
+    chunks, texts, runner = run("emulate")
+    assert texts == eager_texts and len(texts) == 2
+    for a, b in zip(chunks, eager_chunks, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    denoise_replays = len(chunks)
+    assert runner._denoise and runner._steps
+    assert runner.replays > denoise_replays + 4  # prefills and decode steps replayed too

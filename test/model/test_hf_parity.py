@@ -38,7 +38,7 @@ def all_position_logits(model, ids):
     x[:n] = model.backbone.embed(ids)
     hidden = model.backbone(x, plan, arena)
     commit_step(arena, plan)
-    return model.backbone.logits(hidden, list(range(n)))
+    return model.backbone.logits(hidden, torch.arange(n))
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
