@@ -13,7 +13,7 @@ RUN := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY)
 DEMO_SECONDS ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint pytest setup clean distclean
+.PHONY: demo test lint pytest setup clean distclean gpu-check
 
 demo: $(STAMP)
 	$(RUN) -m embodied_kv.cli demo --seconds $(DEMO_SECONDS)
@@ -27,6 +27,13 @@ pytest: $(STAMP)
 	$(RUN) -m pytest -q $(PYTEST_ARGS)
 
 setup: $(STAMP)
+
+# On a machine with CUDA: the whole test suite, then bench step / oxygen / capsule at
+# pi05, results under bench/results/<date>-<gpu>/. Needs no setup (and no ROS): it uses
+# the machine's own torch. Without CUDA it stops with a one-line explanation.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 $(STAMP): scripts/setup.sh requirements.lock CMakeLists.txt package.xml $(wildcard msg/*.msg srv/*.srv)
 	scripts/setup.sh

@@ -2,6 +2,7 @@
 
     embodied-kv demo [--seconds N] [--config PATH] [--preset NAME]
     embodied-kv bench NAME [ARGS...]     # runs embodied_kv.bench.NAME.main(ARGS)
+    embodied-kv gpu-check [ARGS...]      # tests + pi05 benchmarks on CUDA (gpu_check.py)
 
 Imports nothing from ROS until `demo` runs, so `bench` works without rclpy.
 """
@@ -73,6 +74,12 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0 if result is None else int(result)
 
 
+def run_gpu_check(args: argparse.Namespace) -> int:
+    from embodied_kv import gpu_check
+
+    return gpu_check.main(list(args.args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embodied-kv", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="benchmark module in embodied_kv/bench/")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark's main")
     bench.set_defaults(run=run_bench)
+
+    gpu = commands.add_parser(
+        "gpu-check", help="the test suite, then the pi05 benchmarks on CUDA, results kept"
+    )
+    gpu.add_argument("args", nargs=argparse.REMAINDER, help="see embodied_kv/gpu_check.py")
+    gpu.set_defaults(run=run_gpu_check)
     return parser
 
 

@@ -1,0 +1,164 @@
+"""`embodied-kv gpu-check` (`make gpu-check`): the CUDA path, end to end, on a GPU machine.
+
+    1. without CUDA: one line saying so, exit 2;
+    2. the whole test suite (the graph replay tests then run in "cuda" mode too; the ROS
+       tests skip, each with its reason, where rclpy is not installed);
+    3. `bench step`, `bench oxygen`, `bench capsule` at --preset pi05 --device cuda.
+
+Everything lands in bench/results/<date>-<gpu>/: env.json (device, driver, CUDA, torch,
+triton, Python, date, commit), pytest.txt, <bench>.json and <bench>.txt, summary.json
+(exit status and seconds of every step). Exit 0 only when every step passed.
+
+Nothing is installed: a GPU machine keeps the torch it has (a pip-resolved torch would
+replace its CUDA build). A missing module is named with the pip command that adds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = ("step", "oxygen", "capsule")
+# module -> PyPI name: what the tests and benchmarks import besides torch (no ROS)
+REQUIRED = {
+    "numpy": "numpy",
+    "safetensors": "safetensors",
+    "transformers": "transformers",
+    "pytest": "pytest",
+    "pytest_timeout": "pytest-timeout",
+    "yaml": "PyYAML",
+    "matplotlib": "matplotlib",
+    "triton": "triton",
+}
+
+
+def environment(device: str | torch.device = "cuda") -> dict:
+    """What a result was measured on. Works on a CPU too (no driver, no CUDA)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    props = torch.cuda.get_device_properties(device) if cuda else None
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
+        "memory_gib": round(props.total_memory / 2**30, 1) if cuda else None,
+        "driver": _nvidia_smi("driver_version") if cuda else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "commit": (commit := _git("rev-parse", "HEAD")),
+        "dirty": None if commit is None else bool(_git("status", "--porcelain")),
+    }
+
+
+def results_dir(root: Path, env: dict) -> Path:
+    """root/<YYYY-MM-DD>-<device slug>, e.g. bench/results/2026-11-22-nvidia-h100-80gb-hbm3."""
+    slug = re.sub(r"[^a-z0-9]+", "-", env["device"].lower()).strip("-") or "device"
+    return root / f"{env['date'][:10]}-{slug}"
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def missing_modules() -> list[str]:
+    return [pypi for mod, pypi in REQUIRED.items() if importlib.util.find_spec(mod) is None]
+
+
+def run_logged(cmd: list[str], log: Path) -> tuple[int, float]:
+    """Run cmd in the repository root, its output both shown and kept in `log`."""
+    t = time.perf_counter()
+    with log.open("w") as f, subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+    return proc.returncode, round(time.perf_counter() - t, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="embodied-kv gpu-check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
+    p.add_argument("--bench-args", default="", help="extra benchmark arguments, e.g. --quick")
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print(
+            f"gpu-check: no CUDA device visible to torch {torch.__version__} "
+            f"(CUDA build: {torch.version.cuda or 'none'}); run it on a machine with an NVIDIA GPU",
+            file=sys.stderr,
+        )
+        return 2
+    missing = missing_modules()
+    if missing:
+        print(
+            f"gpu-check: missing {', '.join(missing)}; add them without touching torch: "
+            f"{sys.executable} -m pip install {' '.join(missing)}",
+            file=sys.stderr,
+        )
+        return 2
+
+    env = environment("cuda")
+    out = results_dir(args.out, env)
+    write_json(out / "env.json", env)
+    steps = {}
+    if not args.skip_tests:
+        cmd = [sys.executable, "-m", "pytest", "-q", *args.pytest_args.split()]
+        steps["pytest"] = run_logged(cmd, out / "pytest.txt")
+    for name in BENCHES:
+        cmd = [sys.executable, "-m", "embodied_kv.cli", "bench", name, "--preset", "pi05"]
+        cmd += ["--device", "cuda", "--json", str(out / f"{name}.json"), *args.bench_args.split()]
+        steps[f"bench {name}"] = run_logged(cmd, out / f"{name}.txt")
+    summary = {k: {"returncode": rc, "seconds": s} for k, (rc, s) in steps.items()}
+    write_json(out / "summary.json", {"env": env, "steps": summary})
+    failed = [k for k, (rc, _) in steps.items() if rc != 0]
+    verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
+    print(f"gpu-check: results in {out}; {verdict}")
+    return 1 if failed else 0
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
