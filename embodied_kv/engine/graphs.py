@@ -131,15 +131,19 @@ class GraphRunner:
         self._steps[n] = st
         return st
 
+    def bucket(self, n: int) -> int | None:
+        """The step bucket for n tokens: the smallest that holds them with its padding
+        within the scratch slot; None if none does."""
+        limit = self.arena.spec.max_len
+        return next((b for b in self.step_buckets if n <= b <= n + limit), None)
+
     @torch.no_grad()
     def step(self, inputs: list[StepInput]) -> torch.Tensor | None:
         """Replay the packed step; logits [len(inputs), V] on the device, or None (no
         bucket holds the step, or graphs are off: eager instead)."""
         if not self.enabled or not inputs:
             return None
-        n = sum(i.n for i in inputs)
-        limit = self.arena.spec.max_len
-        size = next((b for b in self.step_buckets if n <= b <= n + limit), None)
+        size = self.bucket(sum(i.n for i in inputs))
         if size is None:
             return None
         st = self._step_graph(size)

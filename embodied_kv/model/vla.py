@@ -141,17 +141,18 @@ class VLA(nn.Module):
     # -- the one packed step --------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, arena: KVArena, inputs: list[StepInput]) -> torch.Tensor:
+    def step(self, arena: KVArena, inputs: list[StepInput], pad_to: int = 0) -> torch.Tensor:
         """Run one packed step; returns fp32 logits [len(inputs), V] at each input's last
         token, on the model's device (no host sync).
 
-        Replays a graph when engine/graphs.py holds one for this arena and size."""
+        Replays a graph when engine/graphs.py holds one for this arena and size; else
+        runs eagerly, padded to `pad_to` tokens if given (a graph's shapes)."""
         if self.graphs is not None and self.graphs.arena is arena:
             logits = self.graphs.step(inputs)
             if logits is not None:
                 return logits
         segments = [Segment(i.slot, i.n, i.causal) for i in inputs]
-        plan = plan_step(arena, segments)
+        plan = plan_step(arena, segments, pad_to)
         hidden = self.backbone(self.embed_inputs(inputs, plan.n_padded), plan, arena)
         commit_step(arena, plan)
         return self.backbone.logits(hidden, plan.last_index)[: len(inputs)]
