@@ -122,11 +122,11 @@ class VLA(nn.Module):
         prompt = tokenize_prompt(
             self.tokenizer, obs.instruction, state, c.max_text_tokens, c.state_bins
         )
-        ids = torch.tensor(prompt.ids, dtype=torch.long, device=self.device)
+        ids = to_device(torch.tensor(prompt.ids, dtype=torch.long), self.device)
         parts = []
         present = [i for i, m in enumerate(mask) if m]
         if present:
-            imgs = obs.images[present].to(self.device)  # the tower casts to its own (fp32)
+            imgs = to_device(obs.images[present], self.device)  # the tower casts (fp32)
             parts.append(self.vision(imgs).reshape(-1, c.backbone.width).to(self.dtype))
         parts.append(self.backbone.embed(ids))
         return Prefix(torch.cat(parts, dim=0), prompt.truncated)
@@ -136,7 +136,7 @@ class VLA(nn.Module):
         CPU so every device gets the same values."""
         g = torch.Generator().manual_seed(seed)
         h = torch.randn(self.cfg.action_horizon, self.cfg.action_dim, generator=g)
-        return h.to(self.device)
+        return to_device(h, self.device)
 
     # -- the one packed step --------------------------------------------------------------
 
