@@ -15,7 +15,7 @@ import torch
 
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
-from embodied_kv.engine.graphs import GraphRunner
+from embodied_kv.engine.graphs import GraphRunner, default_mode
 from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
 from embodied_kv.kv.capsule import (
     Identity,
@@ -69,7 +69,15 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, model=None, robot: RobotIO | None = None):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model=None,
+        robot: RobotIO | None = None,
+        graph_mode: str | None = None,
+    ):
+        """graph_mode: engine/graphs.py's "cuda", "emulate" or "off"; None = CUDA graphs
+        on a CUDA device when cfg.cuda_graphs, else none."""
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
         c = model.cfg if model is not None else get_preset(cfg.preset)
@@ -91,9 +99,11 @@ class Engine:
         self.queue = ActionQueue(c.action_horizon, self.robot.action_dim, cfg.blend)
         self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
         self.store = CapsuleStore(cfg.store, self.model.device)
+        if graph_mode is None:
+            graph_mode = default_mode(self.model.device) if cfg.cuda_graphs else "off"
         self.graphs = None
-        if cfg.cuda_graphs and self.model.device.type == "cuda":
-            self.graphs = GraphRunner(self.model, self.manager.arena, mode="cuda")
+        if graph_mode != "off":
+            self.graphs = GraphRunner(self.model, self.manager.arena, mode=graph_mode)
             self.model.graphs = self.graphs
         base = identity_of(self.model, self.manager.arena)
         # The action queue a capsule holds is in robot units: other statistics, dims or

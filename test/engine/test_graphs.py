@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.frame_loop import FrameLoop
 from embodied_kv.engine.graphs import GraphRunner, _emulate_capture
 from embodied_kv.engine.policy import LoopConfig
 from embodied_kv.kv.capsule import capture, identity_of, restore
+from embodied_kv.kv.capsule_store import StoreConfig
 from embodied_kv.kv.manager import KVCacheManager
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
@@ -243,3 +245,45 @@ def test_frame_loop_uses_the_graphs_and_equals_eager(tiny_model, graphs_on):
     denoise_replays = len(chunks)
     assert runner._denoise and runner._steps
     assert runner.replays > denoise_replays + 4  # prefills and decode steps replayed too
+
+
+def test_engine_captures_everything_at_warmup_and_nothing_during_cycles(
+    tiny_model, tmp_path, graphs_on
+):
+    """The production entry: Engine.warmup captures every step bucket and every (slot,
+    row bucket) denoise loop; cycles, a snapshot and a restore then only replay, and give
+    the eager engine's chunks and text, bytes and tokens."""
+    obs = [synthetic_observation(tiny_model.cfg, i, "stack the cups") for i in range(5)]
+
+    def run(mode):
+        cfg = EngineConfig(
+            num_slots=3, max_len=256, control_hz=0.01, narrate_every=1, narration_tokens=8,
+            max_decode_steps=3, history=2, store=StoreConfig(disk_dir=str(tmp_path / mode)),
+        )  # fmt: skip
+        engine = Engine(cfg, model=tiny_model, graph_mode=mode)
+        graphs_on(tiny_model, engine.graphs)
+        engine.observe(obs[0])
+        engine.warmup()
+        engine.begin_episode()
+        captured = engine.graphs.captures if engine.graphs else 0
+        chunks, texts = [], {}
+        for i, o in enumerate(obs):
+            if i == 3:
+                engine.snapshot("mid")
+            engine.observe(o)
+            res = engine.cycle(5 * i)
+            chunks.append(res.chunk.tobytes())
+            texts.update({e.request_id: e.text for e in res.events})
+        engine.restore("mid")
+        for i, o in enumerate(obs[3:], start=3):
+            engine.observe(o)
+            chunks.append(engine.cycle(5 * i).chunk.tobytes())
+        tiny_model.graphs = None
+        return chunks, texts, engine.graphs, captured
+
+    eager_chunks, eager_texts, _, _ = run("off")
+    chunks, texts, runner, captured = run("emulate")
+    assert chunks == eager_chunks and texts == eager_texts and len(texts) >= 4
+    assert chunks[3:5] == chunks[5:]  # restore replays the same actions
+    assert len(runner._denoise) == 3 and captured == runner.captures  # nothing new
+    assert runner.replays >= 7 * 2  # every cycle: a prefill and a chunk, plus decode steps
