@@ -26,12 +26,12 @@ import torch
 
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table, write_json
-from embodied_kv.engine.graphs import DENOISE_BUCKETS, STEP_BUCKETS
+from embodied_kv.engine.graphs import STEP_BUCKETS
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kv.step import Segment, commit_step, plan_step
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
-from embodied_kv.model.vla import StepInput, build_model
+from embodied_kv.model.vla import DENOISE_BUCKETS, StepInput, build_model
 
 # H100 SXM: bf16 dense and HBM3 (PI05_FACTS.md: the arithmetic limit uses these two
 # numbers); fp32 GEMMs without TF32 run on the 67 TFLOP/s fp32 units
@@ -102,7 +102,7 @@ def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dic
             hidden = model.backbone(x, plan, arena)
         commit_step(arena, plan)
         with census.region("logits"):
-            model.backbone.logits(hidden, plan.last)
+            model.backbone.logits(hidden, plan.last_index)
         noise, plen = model.make_noise(0), torch.tensor(n)
         with census.region("denoise"):
             model.expert.sample(arena, slot, plen, noise, rows)

@@ -173,8 +173,9 @@ class GraphRunner:
     def _denoise_graph(self, slot: int, rows: int) -> tuple:
         key = (slot, rows)
         if key not in self._denoise:
-            c, dev, dt = self.model.cfg, self.arena.device, self.model.dtype
-            noise_s = torch.zeros(c.action_horizon, c.action_dim, device=dev, dtype=dt)  # [H, A]
+            c, dev = self.model.cfg, self.arena.device
+            # [H, A] fp32 like VLA.make_noise: the flow state stays fp32 under bf16
+            noise_s = torch.zeros(c.action_horizon, c.action_dim, device=dev)
             plen_s = torch.full((), rows, dtype=torch.int64, device=dev)  # [] prefix length
             expert, arena = self.model.expert, self.arena
             replay, out = self._capture(lambda: expert.sample(arena, slot, plen_s, noise_s, rows))

@@ -257,7 +257,7 @@ def test_engine_captures_everything_at_warmup_and_nothing_during_cycles(
 
     def run(mode):
         cfg = EngineConfig(
-            num_slots=3, max_len=256, control_hz=0.01, narrate_every=1, narration_tokens=8,
+            num_slots=3, max_len=0, control_hz=0.01, narrate_every=1, narration_tokens=8,
             max_decode_steps=3, history=2, store=StoreConfig(disk_dir=str(tmp_path / mode)),
         )  # fmt: skip
         engine = Engine(cfg, model=tiny_model, graph_mode=mode)
@@ -285,5 +285,6 @@ def test_engine_captures_everything_at_warmup_and_nothing_during_cycles(
     chunks, texts, runner, captured = run("emulate")
     assert chunks == eager_chunks and texts == eager_texts and len(texts) >= 4
     assert chunks[3:5] == chunks[5:]  # restore replays the same actions
-    assert len(runner._denoise) == 3 and captured == runner.captures  # nothing new
+    assert runner.arena.spec.max_len == 320  # auto: rows buckets 256 and 320
+    assert len(runner._denoise) == 3 * 2 and captured == runner.captures  # nothing new
     assert runner.replays >= 7 * 2  # every cycle: a prefill and a chunk, plus decode steps
