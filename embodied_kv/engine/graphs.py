@@ -105,7 +105,9 @@ class GraphRunner:
         (configure time; nothing is captured during a control cycle after this)."""
         self.capture_steps()
         spec = self.arena.spec
-        rows = sorted({denoise_rows(p, spec.max_len) for p in range(1, spec.max_len + 1)})
+        # the expert reads a frame's fresh prefix: at most all cameras + the prompt
+        longest = min(spec.max_len, self.model.cfg.prefix_tokens_max)
+        rows = sorted({denoise_rows(p, spec.max_len) for p in range(1, longest + 1)})
         for slot in range(spec.num_slots):
             for r in rows:
                 self._denoise_graph(slot, r)

@@ -285,6 +285,7 @@ def test_engine_captures_everything_at_warmup_and_nothing_during_cycles(
     chunks, texts, runner, captured = run("emulate")
     assert chunks == eager_chunks and texts == eager_texts and len(texts) >= 4
     assert chunks[3:5] == chunks[5:]  # restore replays the same actions
-    assert runner.arena.spec.max_len == 320  # auto: rows buckets 256 and 320
-    assert len(runner._denoise) == 3 * 2 and captured == runner.captures  # nothing new
+    assert runner.arena.spec.max_len == 320  # auto; a tiny prefix (<= 128) reads 256 rows
+    assert sorted(runner._denoise) == [(s, 256) for s in range(3)]
+    assert captured == runner.captures  # nothing captured after warmup
     assert runner.replays >= 7 * 2  # every cycle: a prefill and a chunk, plus decode steps
