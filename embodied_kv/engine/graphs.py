@@ -91,9 +91,10 @@ class GraphRunner:
             raise ValueError(f"graph mode 'cuda' needs a CUDA arena, got {arena.device}")
         self.model, self.arena, self.mode = model, arena, mode
         self.enabled = mode != "off"
-        # a bucket must hold at least one real token with its padding in the scratch slot
-        limit = arena.spec.max_len
-        self.step_buckets = tuple(b for b in step_buckets if b - 1 <= limit)
+        # a bucket b serves n tokens when its padding b - n fits the scratch slot (max_len
+        # rows) and n fits the slots: b <= (num_slots + 1) * max_len
+        most = (arena.spec.num_slots + 1) * arena.spec.max_len
+        self.step_buckets = tuple(b for b in step_buckets if b <= most)
         self._steps: dict[int, StaticStep] = {}
         self._denoise: dict[tuple[int, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
