@@ -23,7 +23,8 @@ from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import StepInput, build_model, denoise_rows
 
-MODES = ["emulate"] + (["cuda"] if torch.cuda.is_available() else [])
+# emulate-bf16: the CUDA dtypes (bf16 weights and arena, fp32 logits and flow state) on CPU
+MODES = ["emulate", "emulate-bf16"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(autouse=True)
@@ -41,11 +42,18 @@ def cuda_model():
     return build_model(get_preset("tiny"), "cuda")
 
 
+@pytest.fixture(scope="module")
+def bf16_model():
+    return build_model(get_preset("tiny"), dtype=torch.bfloat16)
+
+
 @pytest.fixture(params=MODES)
 def mode_model(request, tiny_model):
-    """(graph mode, a tiny model on the device that mode runs on)."""
+    """(graph mode, a tiny model on the device and in the dtype that mode runs)."""
     if request.param == "cuda":
         return "cuda", request.getfixturevalue("cuda_model")
+    if request.param == "emulate-bf16":
+        return "emulate", request.getfixturevalue("bf16_model")
     return "emulate", tiny_model
 
 
