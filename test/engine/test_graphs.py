@@ -1,10 +1,13 @@
 """Graph replay = eager, in bytes, across replays with different inputs.
 
-Every test runs in "emulate" mode (the static buffers, plan copies and bucketed
-functions of the CUDA path, traced and replayed on the CPU) and, on a machine with
-CUDA, in "cuda" mode as well (real torch.cuda.graph capture; `make gpu-check`). A
-value frozen at capture time (a host list, a host tensor, a Python int) makes a later
-replay with other inputs differ from eager, so these tests fail on it.
+The step and denoise tests run in "emulate" mode (the static buffers, plan copies and
+bucketed functions of the CUDA path, their ops recorded and rerun on the CPU: see
+engine/graph_emulation.py), in fp32 and in the CUDA dtypes (bf16), and on a machine with
+CUDA in "cuda" mode as well (real torch.cuda.graph capture; `make gpu-check`). A value
+frozen at capture time (a host list, a host tensor's contents, a Python int) makes a
+later replay with other inputs differ from eager, and a host read of a tensor inside a
+captured function raises, so both fail these tests. The frame loop and the engine run
+through the graphs in emulation and give the eager chunks and text.
 """
 
 import numpy as np
