@@ -22,3 +22,10 @@ except ImportError:
     torch = None
 if torch is not None and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One intra-op thread, as every bench and the robot process run: the suite's ops are small,
+# and on a 2-core machine two OpenMP workers waiting on each other made test_graphs 40x slower
+# (172 s vs 4.3 s measured here). Subprocesses inherit it through OMP_NUM_THREADS.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if torch is not None:
+    torch.set_num_threads(1)
