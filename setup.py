@@ -29,6 +29,7 @@ setup(
     install_requires=[
         "numpy>=2",
         "safetensors>=0.4",
+        "tokenizers>=0.20",  # FAST action tokens (model/fast_tokenizer.py)
         "torch>=2.13",
         "transformers>=5",
     ],

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.ar_loop import ARLoop
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.graphs import GraphRunner, default_mode
 from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
@@ -28,6 +29,11 @@ from embodied_kv.kv.capsule import (
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
 from embodied_kv.kv.manager import KVCacheManager, TaskKind
 from embodied_kv.model.action_space import RobotIO
+from embodied_kv.model.action_tokens import (
+    ActionTokenConfig,
+    action_model_config,
+    make_action_tokenizer,
+)
 from embodied_kv.model.config import ModelConfig, get_preset
 from embodied_kv.model.robot_loader import RobotSpec, find_tokenizer, load_robot_io
 from embodied_kv.model.vla import Observation, build_model
@@ -58,10 +64,15 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode / prefill / denoise graphs on CUDA
     store: StoreConfig = field(default_factory=StoreConfig)
     robot: RobotSpec = field(default_factory=RobotSpec)  # dims, statistics, delta mask
+    action_mode: str = "flow"  # flow: the action expert | ar: action tokens (ActionFlow)
+    ar: ActionTokenConfig = field(default_factory=ActionTokenConfig)  # the `ar` tokens
+    ar_unified: bool = True  # ar: language decodes join the pipeline's packed step
 
     def __post_init__(self):
         if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:
             raise ValueError(f"bad engine config: {self}")
+        if self.action_mode not in ("flow", "ar"):
+            raise ValueError(f"action_mode={self.action_mode!r}: use 'flow' or 'ar'")
 
     @property
     def period_s(self) -> float:
@@ -96,8 +107,17 @@ class Engine:
         rows = arena_rows(cfg, c, loop_cfg)  # a bad max_len fails before any weight is built
         self.model = model or load_model(cfg)
         self.manager = KVCacheManager(self.model, cfg.num_slots, rows)
-        self.queue = ActionQueue(c.action_horizon, self.robot.action_dim, cfg.blend)
-        self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
+        self.action_tokens = None
+        if cfg.action_mode == "ar":  # the model's vocabulary holds the action ids
+            tok = make_action_tokenizer(cfg.ar, self.model.cfg, self.model.tokenizer)
+            self.action_tokens = tok
+            self.queue = ActionQueue(tok.horizon, self.robot.action_dim, cfg.blend)
+            self.loop = ARLoop(
+                self.manager, self.queue, loop_cfg, tok, cfg.ar_unified, robot=self.robot
+            )
+        else:
+            self.queue = ActionQueue(c.action_horizon, self.robot.action_dim, cfg.blend)
+            self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
         self.store = CapsuleStore(cfg.store, self.model.device)
         if graph_mode is None:
             graph_mode = default_mode(self.model.device) if cfg.cuda_graphs else "off"
@@ -157,6 +177,8 @@ class Engine:
                 self.manager.release(req)
             for s in self.manager.arena.in_use():
                 self.manager.arena.release(s)
+            if isinstance(self.loop, ARLoop):
+                self.loop.flow.reserve()  # the ring's slots stay the pipeline's
             self.manager.counters = type(self.manager.counters)()
             self.queue.load_state(
                 {"last": torch.zeros(self.queue.action_dim, dtype=torch.float64)},
@@ -171,6 +193,8 @@ class Engine:
                 self.snapshot(EPISODE_START, "gpu", pin=True)
 
     def sections(self) -> dict:
+        if isinstance(self.loop, ARLoop):  # the frames in flight are state
+            return {"queue": self.queue, "engine": self, "pipeline": self.loop.flow}
         return {"queue": self.queue, "engine": self}
 
     def snapshot(
@@ -285,7 +309,10 @@ def arena_rows(cfg: EngineConfig, model: ModelConfig, loop: LoopConfig) -> int:
 
 def load_model(cfg: EngineConfig):
     tokenizer = cfg.tokenizer or find_tokenizer(cfg.weights)
-    model = build_model(get_preset(cfg.preset), cfg.device, tokenizer_path=tokenizer)
+    model_cfg = get_preset(cfg.preset)
+    if cfg.action_mode == "ar":  # room for the action ids (tiny grows, pi05 has it)
+        model_cfg = action_model_config(model_cfg, cfg.ar.n_action_ids())
+    model = build_model(model_cfg, cfg.device, tokenizer_path=tokenizer)
     if cfg.weights:
         load_weights_file(model, cfg.weights)
     return model

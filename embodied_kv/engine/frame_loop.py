@@ -29,13 +29,14 @@ class TextEvent:
 @dataclass
 class CycleResult:
     frame: int
-    chunk: np.ndarray  # [H, robot action_dim] the action chunk of this frame, robot units
+    chunk: np.ndarray | None  # [H, robot action_dim] robot units; ar: None while filling
     prefix_len: int
     prefill_s: float
     action_s: float  # prefill start -> chunk in the queue
     decode_steps: int
     cycle_s: float
     events: list[TextEvent] = field(default_factory=list)
+    chunk_tick: int | None = None  # tick the chunk starts at, when not the cycle's (`ar` mode)
 
 
 @dataclass

@@ -169,11 +169,15 @@ class KVCacheManager:
         live = self.live()
         if not live:
             return []
-        logits = self.model.step(self.arena, self.batch())
+        self.advance(live, self.model.step(self.arena, self.batch()))
+        return live
+
+    def advance(self, live: list[Request], logits: torch.Tensor) -> None:
+        """Take one token per request from logits [len(live), V] of a step that ran
+        `batch()` (here, or inside a larger packed step: ActionFlow's `ar` mode)."""
         for req, token in zip(live, self._pick(live, logits), strict=True):
             self._accept(req, token)
         self.counters.decode_steps += 1
-        return live
 
     def _pick(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         """Next token of each request from its logits row ([len(reqs), V] on the device).

@@ -82,7 +82,11 @@ class ActionExpertNode(EmbodiedNode):
         self._action_pub.publish(self._action_msg)
 
     def _publish_chunk(self, result: CycleResult, tick: int) -> None:
+        if result.chunk is None:  # ar mode: the pipeline is still filling
+            return
         clock = self.host.clock
+        if result.chunk_tick is not None:  # ar mode: the chunk starts at its observation
+            tick = result.chunk_tick
         msg = chunk_msg(
             result.chunk, self.joint_names, clock.wall_ns(tick), clock.period_s, result.frame
         )

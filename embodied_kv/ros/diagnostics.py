@@ -36,8 +36,11 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
             "tokens": cycles.tokens,
             "live_requests": len(engine.manager.live()),
             "frame": engine.frame,
+            "action_mode": cfg.action_mode,
         },
     )
+    if engine.action_tokens is not None:  # ar mode: invalid sequences became zeros
+        sections["engine"][2].update(_ar(engine))
 
     arena = engine.manager.arena
     used = arena.in_use()
@@ -95,3 +98,15 @@ def _output(host: EngineHost) -> tuple[bytes, str, dict]:
             "errors": c.errors,
         },
     )
+
+
+def _ar(engine) -> dict:
+    flow = engine.loop.flow
+    return {
+        "action_tokens": engine.action_tokens.kind,
+        "pipeline_depth_k": flow.k,
+        "frames_in_flight": flow.in_flight(),
+        "actions_decoded": flow.counters.actions,
+        "actions_invalid": flow.counters.invalid,
+        "actions_capped": flow.counters.capped,
+    }

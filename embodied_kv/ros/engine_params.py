@@ -15,6 +15,7 @@ from typing import Any
 
 from embodied_kv.engine.engine import EngineConfig
 from embodied_kv.kv.capsule_store import StoreConfig
+from embodied_kv.model.action_tokens import ActionTokenConfig
 from embodied_kv.model.robot_loader import RobotSpec
 
 
@@ -56,12 +57,28 @@ ENGINE_PARAMS: tuple[ParamSpec, ...] = (
     # -- the robot's side of the model (model/robot_loader.py) --
     ParamSpec("robot.state_dim", 0, "robot state values; 0 = from the statistics, else model's"),
     ParamSpec("robot.action_dim", 0, "commands per tick; 0 = from the statistics, else model's"),
-    ParamSpec("robot.delta_mask", "", "delta action dims as make_bool_mask counts '6,-1'; "
-              "'none'; '' = the checkpoint's"),  # fmt: skip
+    ParamSpec(
+        "robot.delta_mask",
+        "",
+        "delta action dims as make_bool_mask counts '6,-1'; 'none'; '' = the checkpoint's",
+    ),  # fmt: skip
     ParamSpec("robot.norm_stats", "", "statistics path overriding the checkpoint's; ''"),
     ParamSpec("robot.norm_mode", "", "openpi norm_stats.json: quantiles (pi0.5) | mean_std"),
     ParamSpec("robot.asset_id", "", "openpi: assets/<asset_id>/norm_stats.json to use"),
 )
+
+# The action mode (README, ActionFlow): `flow` = the action expert; `ar` = action tokens
+# decoded by the backbone, pipelined across frames, published on the same topics.
+ACTION_MODE_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("action_mode", "flow", "flow (action expert) | ar (autoregressive action tokens)"),
+    ParamSpec("ar.tokenizer", "fast", "ar: bins (OpenVLA) | fast (openpi FAST)"),
+    ParamSpec("ar.horizon", 10, "ar: ticks per decoded chunk (bins: K = horizon x action dims)"),
+    ParamSpec("ar.max_tokens", 24, "ar fast: cap K per frame; 0 = 2 x horizon x action dims"),
+    ParamSpec("ar.fast_dir", "", "ar fast: FAST tokenizer folder; '' = train one at configure"),
+    ParamSpec("ar.fast_vocab", 1024, "ar fast: BPE vocabulary when trained here"),
+    ParamSpec("ar.unified", True, "ar: language decodes join the pipeline's packed step"),
+)
+ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS
 
 
 def engine_config(get: Callable[[str], Any]) -> EngineConfig:
@@ -70,9 +87,7 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
         gpu_bytes=_int(get, "capsules.gpu_bytes"),
         host_bytes=_int(get, "capsules.host_bytes"),
         disk_bytes=_int(get, "capsules.disk_bytes"),
-        disk_dir=str(Path(_str(get, "capsules.disk_dir")).expanduser())
-        if _str(get, "capsules.disk_dir")
-        else "",
+        disk_dir=_path(get, "capsules.disk_dir"),
     )
     preset = _str(get, "preset")
     if not preset:
@@ -103,16 +118,25 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
         cuda_graphs=_bool(get, "cuda_graphs"),
         store=store,
         robot=robot_spec(get),
+        action_mode=_str(get, "action_mode"),
+        ar=ActionTokenConfig(
+            kind=_str(get, "ar.tokenizer"),
+            horizon=_int(get, "ar.horizon"),
+            max_tokens=_int(get, "ar.max_tokens"),
+            fast_dir=_path(get, "ar.fast_dir"),
+            fast_vocab=_int(get, "ar.fast_vocab"),
+            seed=_int(get, "seed"),
+        ),
+        ar_unified=_bool(get, "ar.unified"),
     )
 
 
 def robot_spec(get: Callable[[str], Any]) -> RobotSpec:
-    norm_stats = _str(get, "robot.norm_stats")
     return RobotSpec(
         state_dim=_int(get, "robot.state_dim"),
         action_dim=_int(get, "robot.action_dim"),
         delta_mask=_str(get, "robot.delta_mask"),
-        norm_stats=str(Path(norm_stats).expanduser()) if norm_stats else "",
+        norm_stats=_path(get, "robot.norm_stats"),
         norm_mode=_str(get, "robot.norm_mode"),
         asset_id=_str(get, "robot.asset_id"),
     )
@@ -157,6 +181,12 @@ def _str(get, name: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"parameter {name}={value!r} must be a string")
     return value
+
+
+def _path(get, name: str) -> str:
+    """A folder parameter, `~` expanded; '' stays '' (none)."""
+    value = _str(get, name)
+    return str(Path(value).expanduser()) if value else ""
 
 
 def _bool(get, name: str) -> bool:

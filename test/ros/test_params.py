@@ -22,6 +22,7 @@ def test_shipped_config_is_the_tiny_preset_at_50_hz_and_makes_an_engine_config()
     cfg = engine_config(lambda name: params.for_node("kv_manager").get(name, defaults[name]))
     assert (cfg.preset, cfg.control_hz, cfg.replan_every, cfg.threads) == ("tiny", 50.0, 5, 1)
     assert cfg.store.disk_dir.endswith("embodied_kv/capsules") and "~" not in cfg.store.disk_dir
+    assert cfg.action_mode == "flow" and cfg.ar.kind == "fast" and cfg.ar.max_tokens == 24
 
 
 def test_nested_mappings_are_dotted_parameter_names(tmp_path):
@@ -38,6 +39,8 @@ def test_nested_mappings_are_dotted_parameter_names(tmp_path):
         ("preset", "", "preset is empty"),
         ("cuda_graphs", "yes", "must be true or false"),
         ("arena.max_len", -64, "must be auto, 0 \\(auto\\) or > 0"),
+        ("action_mode", "fancy", "use 'flow' or 'ar'"),
+        ("ar.tokenizer", "vq", "use 'bins' or 'fast'"),
     ],
 )
 def test_bad_engine_parameters_are_value_errors_naming_them(name, value, complaint):

@@ -75,17 +75,18 @@ kv_manager:
 class Robot:
     """The spawned robot process and its log."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, config: str = CONFIG, namespace: str = NAMESPACE):
         self.disk = workdir / "capsules"
         self.config = workdir / "robot.yaml"
-        self.config.write_text(CONFIG.replace("{disk}", str(self.disk)))
+        self.config.write_text(config.replace("{disk}", str(self.disk)))
+        self.namespace = namespace
         self.log_path = workdir / "robot.log"
         self.out_path = workdir / "robot.out"
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "embodied_kv.ros.container", "--config", str(self.config),
-             "--ros-args", "-r", f"__ns:={NAMESPACE}"],
+             "--ros-args", "-r", f"__ns:={namespace}"],
             cwd=ROOT, env=env, stdout=open(self.out_path, "w"), stderr=open(self.log_path, "w"),
         )  # fmt: skip
 
@@ -133,7 +134,7 @@ class Probe:
         self.robot = robot
         self.context = rclpy.Context()
         rclpy.init(context=self.context)
-        self.node = rclpy.create_node("probe", namespace=NAMESPACE, context=self.context)
+        self.node = rclpy.create_node("probe", namespace=robot.namespace, context=self.context)
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         node = self.node
@@ -235,6 +236,16 @@ class Probe:
     def ask(self, question: str) -> None:
         self.publish("question", String(data=question))
 
+    def ask_for(self, window_s: float) -> tuple[float, float, int]:
+        """A question every 0.5 s for `window_s` -> (start, end, questions asked)."""
+        start = time.monotonic()
+        asked = 0
+        while time.monotonic() < start + window_s:
+            self.ask(f"what is on the table, look number {asked}?")
+            asked += 1
+            time.sleep(0.5)
+        return start, time.monotonic(), asked
+
     # -- services --------------------------------------------------------------------
 
     def call(self, name: str, request, timeout: float = TIMEOUT_S):
@@ -297,7 +308,27 @@ def write_foreign_capsule(disk: Path) -> None:
 def robot(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("robot")
     write_foreign_capsule(workdir / "capsules")
-    robot = Robot(workdir)
+    yield from run_robot(Robot(workdir))
+
+
+# The `ar` action mode (ActionFlow): FAST tokens over 4 ticks x 8 joints, a ring of K = 12
+# slots; language decodes join the pipeline's packed step.
+AR_CONFIG = CONFIG.replace(
+    "    replan_every: 5\n",
+    "    replan_every: 5\n    action_mode: ar\n"
+    "    ar: {tokenizer: fast, horizon: 4, max_tokens: 12, fast_vocab: 1024}\n"
+    "    arena: {num_slots: 16}\n",
+)
+
+
+@pytest.fixture(scope="module")
+def ar_robot(tmp_path_factory):
+    """A second robot process in `ar` mode, for one module (the session robot is not
+    started by that module, so the two do not share the CPU)."""
+    yield from run_robot(Robot(tmp_path_factory.mktemp("ar_robot"), AR_CONFIG, "/robot_ar"))
+
+
+def run_robot(robot: Robot):
     probe = Probe(robot)
     try:
         probe.wait_until(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from embodied_kv.msg import TextChunk
@@ -16,13 +14,7 @@ TOLERANCE = 0.05  # the rate may be off by at most 5%
 def test_actions_hold_the_rate_while_language_decodes(robot):
     robot.observe(seed=0)
     robot.wait_for_actions()
-    start = time.monotonic()
-    asked = 0
-    while time.monotonic() < start + WINDOW_S:
-        robot.ask(f"what is on the table, look number {asked}?")
-        asked += 1
-        time.sleep(0.5)
-    end = time.monotonic()
+    start, end, asked = robot.ask_for(WINDOW_S)
     summary = robot.actions.summary(since=start, until=end)
     decoding = [m for t, m in robot.text if start <= t <= end and m.task == TextChunk.TASK_ANSWER]
     print(f"\naction stream over {WINDOW_S:g} s with {asked} questions: "
