@@ -12,6 +12,7 @@ from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.pipeline import SCHEDULERS, ActionFlow
 from embodied_kv.engine.policy import LoopConfig
 from embodied_kv.kv.manager import KVCacheManager
+from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.action_tokens import (
     ActionTokenConfig,
     action_model_config,
@@ -169,3 +170,26 @@ def test_actions_enter_the_queue_at_their_observation_tick(ar_model):
     assert fresh and np.array_equal(action, res.chunk[3])
     with pytest.raises(ValueError, match="queue"):
         ARLoop(manager, ActionQueue(10, 8), LoopConfig(), tok)
+
+
+def test_delta_actions_add_the_state_of_their_own_observation(ar_model):
+    """A chunk leaves the pipeline K cycles after its observation: the robot state it
+    is relative to must be that observation's, carried with the frame."""
+    tok = make_action_tokenizer(TOKENS["bins"], ar_model.cfg, ar_model.tokenizer)
+    robots = {"plain": RobotIO(8, 6), "delta": RobotIO(8, 6, delta_mask=(True, True, True))}
+    chunks, states = {}, {}
+    for name, robot in robots.items():
+        loop = ARLoop(KVCacheManager(ar_model, 12, 320), ActionQueue(1, 6), LoopConfig(), tok,
+                      robot=robot)  # fmt: skip
+        chunks[name] = {}
+        for f in range(12):
+            obs = robot.model_observation(synthetic_observation(ar_model.cfg, f))
+            states[f] = obs.robot_state
+            res = loop.cycle(obs, f, tick=f)
+            if res.chunk is not None:
+                chunks[name][res.frame] = res.chunk
+    assert sorted(chunks["delta"]) == [0, 1, 2, 3, 4]  # K = 8: frame 0 leaves at cycle 7
+    for f, delta in chunks["delta"].items():
+        expected = chunks["plain"][f].copy()
+        expected[:, :3] += states[f][:3]
+        assert np.array_equal(delta, expected), f
