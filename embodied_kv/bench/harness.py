@@ -143,25 +143,33 @@ def time_once(fn: Callable[[], object], device: str | torch.device) -> float:
     return elapsed_ms(t, clock)
 
 
-def interleave(
-    fns: dict[str, Callable[[], object]],
-    device: str | torch.device,
-    warmup: int = 1,
-    repeats: int = 5,
-) -> dict[str, list[float]]:
-    """Time every fn `repeats` times, round-robin (one call of each per round, the order
-    rotating each round), after `warmup` untimed rounds -> ms samples per name."""
+def interleave_calls(
+    fns: dict[str, Callable[[], object]], warmup: int = 1, repeats: int = 5
+) -> dict[str, list]:
+    """Call every fn `repeats` times, round-robin (one call of each per round, the order
+    rotating each round), after `warmup` untimed rounds -> results per name."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    results: dict[str, list] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            samples[name].append(time_once(fns[name], device))
-    return samples
+            results[name].append(fns[name]())
+    return results
+
+
+def interleave(
+    fns: dict[str, Callable[[], object]],
+    device: str | torch.device,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> dict[str, list[float]]:
+    """`interleave_calls` timing each call -> ms samples per name."""
+    timed = {name: (lambda fn=fn: time_once(fn, device)) for name, fn in fns.items()}
+    return interleave_calls(timed, warmup, repeats)
 
 
 def ratio(baseline: Sequence[float], candidate: Sequence[float]) -> float:

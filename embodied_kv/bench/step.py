@@ -1,28 +1,25 @@
-"""`embodied-kv bench step`: the packed step vs Hugging Face transformers, same weights.
+"""`embodied-kv bench step`: the packed step vs the strongest Hugging Face baselines.
 
-Both sides run in this process on the same device and dtype (fp32 on CPU, bf16 on
-CUDA); the baseline is `to_hf_gemma(model, share=True)`, a GemmaForCausalLM (eager
-attention) whose parameters are the backbone's own tensors.
+Every baseline runs in this process on the same device, dtype and weights; they are
+listed and labelled in bench/baselines.py. Repeats are interleaved round-robin with
+ours (harness.py) and every ratio is the median over rounds of baseline / ours, so a
+figure above 1 means ours is faster and below 1 that the baseline is.
 
     prefill  P tokens of text into an empty slot, logits of the last token.
-             ours: one packed step.  HF: one forward with a fresh DynamicCache and
-             logits_to_keep=1 (what `generate` does first, without its setup cost).
-    decode   B requests with prompts of different lengths, greedy.
-             ours: the B prompts prefilled in one packed step, then ONE packed step
-             per token for all B slots.  HF: `generate(do_sample=False)` one request
-             at a time, the way users run it; a step's time is the interval between
-             successive logits-processor calls inside `generate` (forward, cache
-             update, sampling), so B requests advance one token in B such steps.
-             `text` rows give the end-to-end time of the same B requests.
+             ours: one packed step.  HF (eager, sdpa): one forward with a fresh
+             DynamicCache and logits_to_keep=1 (what `generate` does first).
+    decode   B requests with prompts of different lengths, greedy, per decode step of
+             all B (ms). ours: the B prompts prefilled in one packed step, then ONE
+             packed step per token for all B slots. HF: the interval between successive
+             logits-processor calls inside `generate` (forward, cache update, sampling).
+             `text` rows: the end-to-end time of the same B requests (prefill + decode).
     denoise  10 Euler steps of the action expert over a camera + prompt prefix.
              ours: ActionExpert.sample reads the prefix rows in place in the arena.
-             HF: LeRobot pi05's loop (hf_interop.sample_actions_hf_style): every step
-             clones the prefix DynamicCache, appends the suffix K/V to it with
-             cache.update (torch.cat) and runs transformers' eager attention with a
-             4D mask. Same expert modules and weights; the difference is the cache.
 
-`exact` is true when, for every decode row, our greedy tokens equal `generate`'s and
-the batched decode equals each request decoded alone (token ids and logit bytes).
+`exact` is true when, for every batch, our greedy tokens equal those of HF `generate`
+one request at a time (eager) and the batched decode equals each request decoded alone
+(token ids and logit bytes). `gemm_row_invariance` is the probe behind the padding:
+the row counts whose GEMM results differ from a 32-row GEMM for this model's shapes.
 """
 
 from __future__ import annotations
@@ -30,25 +27,23 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
-import transformers
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+import torch.nn.functional as F
+from transformers import DynamicCache
 
-from embodied_kv.bench.report import device_name, print_table, write_json
-from embodied_kv.kernels.packed_attention import KEY_BLOCK
+from embodied_kv.bench import harness
+from embodied_kv.bench.baselines import expert_baselines, language_baselines
+from embodied_kv.bench.report import print_table
+from embodied_kv.kernels.packed_attention import KEY_BLOCK, ROW_BUCKET
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.model.checkpoint import load_pi05_checkpoint
 from embodied_kv.model.config import get_preset
-from embodied_kv.model.hf_interop import (
-    arena_to_dynamic_cache,
-    sample_actions_hf_style,
-    to_hf_gemma,
-)
+from embodied_kv.model.hf_interop import arena_to_dynamic_cache
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import VLA, StepInput, build_model
+from embodied_kv.timing import device_clock, elapsed_ms
 
 
 @dataclass(frozen=True)
@@ -57,36 +52,16 @@ class Sweep:
     batches: tuple[int, ...]  # decode batch sizes
     context: int  # decode prompt length of request 0; request i gets context + 3 i
     new_tokens: int  # greedy tokens per request
-    repeats: int  # timed repetitions of prefill and denoise (median)
+    repeats: int  # interleaved rounds of every measurement (median over rounds)
 
 
 SWEEPS = {
-    ("tiny", False): Sweep((64, 128, 256), (1, 4, 16), 96, 32, 7),
-    ("tiny", True): Sweep((64, 128, 256), (1, 4, 16), 64, 12, 3),
-    ("tiny", "smoke"): Sweep((64,), (1, 4), 32, 6, 1),  # tests only
+    ("tiny", False): Sweep((64, 128, 256), (1, 4, 16), 96, 32, 9),
+    ("tiny", True): Sweep((64, 256), (1, 4, 16), 64, 12, 5),
+    ("tiny", "smoke"): Sweep((64,), (1, 4), 32, 6, 2),  # tests only
     ("pi05", False): Sweep((256, 512, 1024), (1, 4, 16), 512, 32, 10),
     ("pi05", True): Sweep((256, 512, 1024), (1, 4, 16), 512, 16, 3),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def clock(device: torch.device) -> float:
-    sync(device)
-    return time.perf_counter()
-
-
-def median_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up: allocator, kernels, lazy init
-    times = []
-    for _ in range(repeats):
-        t0 = clock(device)
-        fn()
-        times.append((clock(device) - t0) * 1e3)
-    return statistics.median(times)
 
 
 def arena_for(model: VLA, slots: int, rows: int) -> KVArena:
@@ -98,16 +73,27 @@ def random_ids(n: int, vocab: int, seed: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=g).to(device)
 
 
-def row(kind: str, ours_ms: float, hf_ms: float, **fields) -> dict:
-    return {"kind": kind, **fields, "ours_ms": ours_ms, "hf_ms": hf_ms, "speedup": hf_ms / ours_ms}
+def stats(samples) -> dict:
+    return harness.Stats.of(samples).as_dict()
 
 
-# -- rows ---------------------------------------------------------------------------------
+def row(kind: str, baseline: str, label: str, ours: list, theirs: list | None, **fields):
+    """One comparison; `theirs` None when the baseline could not run (fields say why)."""
+    out = {"kind": kind, **fields, "baseline": baseline, "label": label, "ours": stats(ours)}
+    out["ours_ms"] = out["ours"]["median"]
+    if theirs is None:
+        return {**out, "baseline_ms": None, "speedup": None}
+    out["theirs"] = stats(theirs)
+    out["baseline_ms"] = out["theirs"]["median"]
+    out["speedup"] = harness.ratio(theirs, ours)
+    return out
 
 
-def prefill_row(model, hf, n: int, repeats: int) -> dict:
-    dev = model.device
-    ids = random_ids(n, model.cfg.vocab_size, n, dev)
+# -- prefill ------------------------------------------------------------------------------
+
+
+def prefill_rows(model, hfs: dict, n: int, repeats: int) -> list[dict]:
+    ids = random_ids(n, model.cfg.vocab_size, n, model.device)
     arena = arena_for(model, 1, n)
     slot = arena.allocate()
     out = {}
@@ -116,55 +102,36 @@ def prefill_row(model, hf, n: int, repeats: int) -> dict:
         arena.clear(slot)
         out["ours"] = model.append(arena, slot, ids)
 
-    def theirs():
+    def forward(name):
+        hf = hfs[name].model
         cache = DynamicCache(config=hf.config)
-        out["hf"] = hf(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        r = hf(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out[name] = r.logits[0, -1].float()
 
-    ours_ms, hf_ms = median_ms(ours, dev, repeats), median_ms(theirs, dev, repeats)
-    diff = (out["ours"] - out["hf"].logits[0, -1].float()).abs().max().item()
-    return row("prefill", ours_ms, hf_ms, tokens=n, max_abs_logit_diff=diff)
-
-
-class StepClock(LogitsProcessor):
-    """Called once per generated token inside `generate`; records when."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.times = device, []
-
-    def __call__(self, input_ids, scores):
-        self.times.append(clock(self.device))
-        return scores
+    names = ("hf_eager_one_by_one", "hf_sdpa_batched")
+    fns = {"ours": ours, **{name: (lambda name=name: forward(name)) for name in names}}
+    t = harness.interleave(fns, model.device, warmup=1, repeats=repeats)
+    rows = []
+    for name in names:
+        diff = (out["ours"] - out[name]).abs().max().item()
+        attn = hfs[name].model.config._attn_implementation
+        label = f"HF forward ({attn}) into a fresh DynamicCache, logits_to_keep=1"
+        rows.append(row("prefill", f"hf_{attn}", label, t["ours"], t[name], tokens=n))
+        rows[-1]["max_abs_logit_diff"] = diff
+    return rows
 
 
-def hf_generate(hf, prompts: list[torch.Tensor], new_tokens: int):
-    """One request at a time -> (tokens per request, decode-step ms per request, total ms)."""
-    dev = prompts[0].device
-    tokens, step_ms = [], []
-    t0 = clock(dev)
-    for ids in prompts:
-        stamps = StepClock(dev)
-        out = hf.generate(
-            ids[None],
-            attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long, device=dev),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([stamps]),
-        )
-        tokens.append(out[0, ids.shape[0] :].tolist())
-        gaps = [(b - a) * 1e3 for a, b in zip(stamps.times, stamps.times[1:], strict=False)]
-        step_ms.append(statistics.median(gaps))
-    return tokens, step_ms, (clock(dev) - t0) * 1e3
+# -- decode -------------------------------------------------------------------------------
 
 
 def ours_generate(model, prompts: list[torch.Tensor], new_tokens: int, batched: bool):
     """Prefill (one packed step), then greedy decode, all slots in one step per token
     (batched) or each slot alone -> (tokens, logits [B, T-1, V], step ms, total ms)."""
-    dev = model.device
+    clock = device_clock(model.device)
     arena = arena_for(model, len(prompts), max(p.shape[0] for p in prompts) + new_tokens)
     slots = [arena.allocate() for _ in prompts]
     groups = [slots] if batched else [[s] for s in slots]
-    t0 = clock(dev)
+    t0 = clock()
     first = model.step(arena, [StepInput(s, ids=p) for s, p in zip(slots, prompts, strict=True)])
     cur = first.argmax(-1)
     tokens, logits, step_ms = [[t] for t in cur.tolist()], [[] for _ in slots], []
@@ -172,45 +139,69 @@ def ours_generate(model, prompts: list[torch.Tensor], new_tokens: int, batched: 
         idx = [slots.index(s) for s in group]
         ids = cur[idx]
         for _ in range(new_tokens - 1):
-            t = clock(dev)
+            t = clock()
             lg = model.decode(arena, group, ids)
             ids = lg.argmax(-1)
-            step_ms.append((clock(dev) - t) * 1e3)
+            step_ms.append(elapsed_ms(t, clock))
             for j, (i, tok) in enumerate(zip(idx, ids.tolist(), strict=True)):
                 tokens[i].append(tok)
                 logits[i].append(lg[j])
-    total = (clock(dev) - t0) * 1e3
+    total = elapsed_ms(t0, clock)
     return tokens, torch.stack([torch.stack(x) for x in logits]), step_ms, total
 
 
-def decode_rows(model, hf, batch: int, sweep: Sweep) -> list[dict]:
-    dev, vocab = model.device, model.cfg.vocab_size
-    prompts = [random_ids(sweep.context + 3 * i, vocab, 1000 + i, dev) for i in range(batch)]
-    T = sweep.new_tokens
-    # One by one first: it also warms up the packed prefill of these prompts.
-    alone_tok, alone_lg, alone_steps, _ = ours_generate(model, prompts, T, batched=False)
-    ours_tok, ours_lg, ours_steps, ours_total = ours_generate(model, prompts, T, batched=True)
-    hf_tok, hf_steps, hf_total = hf_generate(hf, prompts, T)
-    agree = sum(
-        a == b for x, y in zip(ours_tok, hf_tok, strict=True) for a, b in zip(x, y, strict=True)
-    )
-    decode = row(
-        "decode",
-        statistics.median(ours_steps),
-        sum(hf_steps),  # B requests, one token each, one after another
-        batch=batch,
-        context=sweep.context,
-        ours_one_by_one_ms=batch * statistics.median(alone_steps),
-        tokens_equal_hf=ours_tok == hf_tok,
-        hf_token_agreement=agree / (batch * T),
-        batched_equals_one_by_one=ours_tok == alone_tok and torch.equal(ours_lg, alone_lg),
-    )
-    text = row("text", ours_total, hf_total, batch=batch, context=sweep.context, new_tokens=T)
-    return [decode, text]
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def denoise_row(model, repeats: int) -> dict:
-    dev = model.device
+def decode_rows(model, hfs: dict, batch: int, sweep: Sweep) -> tuple[list[dict], bool]:
+    """Rows for batch size B (decode and text per baseline) and whether B is exact."""
+    vocab, T = model.cfg.vocab_size, sweep.new_tokens
+    prompts = [
+        random_ids(sweep.context + 3 * i, vocab, 1000 + i, model.device) for i in range(batch)
+    ]
+    alone_tok, alone_lg, _, _ = ours_generate(model, prompts, T, batched=False)
+    ours_tok, ours_lg, _, _ = ours_generate(model, prompts, T, batched=True)
+    batched_exact = ours_tok == alone_tok and torch.equal(ours_lg, alone_lg)
+
+    def ours():
+        tok, _, steps, total = ours_generate(model, prompts, T, batched=True)
+        return tok, statistics.median(steps), total
+
+    for b in hfs.values():  # per batch: a compiled baseline may recompile for a new shape
+        b.warm(prompts, T)
+    live = {name: b for name, b in hfs.items() if b.unavailable is None}
+    fns = {"ours": ours, **{name: (lambda b=b: b(prompts, T)) for name, b in live.items()}}
+    res = harness.interleave_calls(fns, warmup=0, repeats=sweep.repeats)
+    ours_step = [r[1] for r in res["ours"]]
+    ours_total = [r[2] for r in res["ours"]]
+    rows, equal_hf = [], None
+    for name, b in hfs.items():
+        extra = {"batch": batch, "context": sweep.context, "new_tokens": T}
+        if b.compile_s is not None:
+            extra["compile_s"] = b.compile_s
+        if name not in live:
+            rows.append(row("decode", name, b.label, ours_step, None, **extra))
+            rows[-1]["unavailable"] = b.unavailable
+            continue
+        gen = res[name]
+        agree = agreement(ours_tok, gen[-1].tokens)
+        if name == "hf_eager_one_by_one":
+            equal_hf = ours_tok == gen[-1].tokens
+        d = row("decode", name, b.label, ours_step, [g.step_ms for g in gen], **extra)
+        d["token_agreement"] = agree
+        rows.append(d)
+        rows.append(row("text", name, b.label, ours_total, [g.total_ms for g in gen], **extra))
+    for r in rows:
+        r["batched_equals_one_by_one"] = batched_exact
+    return rows, bool(batched_exact and equal_hf)
+
+
+# -- denoise ------------------------------------------------------------------------------
+
+
+def denoise_rows(model, repeats: int, compiled: bool) -> list[dict]:
     prefix = model.embed_prefix(synthetic_observation(model.cfg, 0))
     n = prefix.embeds.shape[0]
     arena = arena_for(model, 1, n)
@@ -218,18 +209,59 @@ def denoise_row(model, repeats: int) -> dict:
     model.prefill(arena, slot, prefix)
     noise = model.make_noise(0)
     cache = arena_to_dynamic_cache(arena, slot, n)  # what the HF prefix prefill returns
+    baselines = expert_baselines(model.expert, cache, n, noise, compiled)
     out = {}
 
     def ours():
         out["ours"] = model.sample_actions(arena, slot, n, noise)
 
-    def theirs():
-        out["hf"] = sample_actions_hf_style(model.expert, cache, n, noise)
+    def theirs(b):
+        out[b.name] = b.fn()
 
-    ours_ms, hf_ms = median_ms(ours, dev, repeats), median_ms(theirs, dev, repeats)
-    diff = (out["ours"].float() - out["hf"].float()).abs().max().item()
-    steps = model.cfg.denoise_steps
-    return row("denoise", ours_ms, hf_ms, tokens=n, steps=steps, max_abs_action_diff=diff)
+    live = [b for b in baselines if b.unavailable is None]
+    fns = {"ours": ours, **{b.name: (lambda b=b: theirs(b)) for b in live}}
+    t = harness.interleave(fns, model.device, warmup=1, repeats=repeats)
+    rows = []
+    for b in baselines:
+        extra = {"tokens": n, "steps": model.cfg.denoise_steps}
+        if b.compile_s is not None:
+            extra["compile_s"] = b.compile_s
+        r = row("denoise", b.name, b.label, t["ours"], t.get(b.name), **extra)
+        if b.unavailable is None:
+            r["max_abs_action_diff"] = (
+                (out["ours"].float() - out[b.name].float()).abs().max().item()
+            )
+        else:
+            r["unavailable"] = b.unavailable
+        rows.append(r)
+    return rows
+
+
+# -- the padding probe --------------------------------------------------------------------
+
+
+def gemm_row_invariance(model, max_rows: int = 16, ref_rows: int = 32) -> dict:
+    """For every distinct linear shape of the model: the row counts M <= max_rows whose
+    rows differ in any bit from the same rows of a ref_rows GEMM (fp32 on CPU: small M
+    takes other kernels). The packed step pads to multiples of ROW_BUCKET; none of those
+    may appear here."""
+    shapes = sorted(
+        {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    )
+    g = torch.Generator().manual_seed(0)
+    bad = set()
+    for n_out, n_in in shapes:
+        w = torch.randn(n_out, n_in, generator=g).to(model.device, model.dtype)
+        x = torch.randn(ref_rows, n_in, generator=g).to(model.device, model.dtype)
+        ref = F.linear(x, w)
+        bad |= {m for m in range(1, max_rows + 1) if not torch.equal(F.linear(x[:m], w), ref[:m])}
+    padded = [m for m in sorted(bad) if m % ROW_BUCKET == 0]
+    return {
+        "shapes": [list(s) for s in shapes],
+        "differ": sorted(bad),
+        "row_bucket": ROW_BUCKET,
+        "bucket_sizes_that_differ": padded,
+    }
 
 
 # -- entry point --------------------------------------------------------------------------
@@ -237,24 +269,14 @@ def denoise_row(model, repeats: int) -> dict:
 
 def parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="embodied-kv bench step", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", choices=["tiny", "pi05"], default="tiny")
-    p.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
+    harness.add_common_args(p)
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tests: tiny sweep
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument(
+        "--skip-compiled", action="store_true", help="report the torch.compile baselines as skipped"
+    )
     p.add_argument("--checkpoint", help="pi0.5 safetensors (LeRobot layout); else random")
     p.add_argument("--tokenizer", help="Gemma tokenizer path (pi05); else bytes")
-    p.add_argument("--allow-cpu-pi05", action="store_true", help="run pi05 on a CPU anyway")
-    args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
-    if args.device == "cpu" and args.preset == "pi05" and not args.allow_cpu_pi05:
-        p.error(
-            "pi05 on a CPU needs ~13 GB in fp32 and minutes per step; use --device cuda, "
-            "--preset tiny, or pass --allow-cpu-pi05"
-        )
-    return args
+    return harness.parse(p, argv)
 
 
 def build(args) -> VLA:
@@ -266,56 +288,56 @@ def build(args) -> VLA:
     return model
 
 
-def check(r: dict) -> str:
-    if r["kind"] == "decode":
-        exact = r["tokens_equal_hf"] and r["batched_equals_one_by_one"]
-        return f"exact={exact}, ours one by one {r['ours_one_by_one_ms']:.3g} ms"
-    diff = r.get("max_abs_logit_diff", r.get("max_abs_action_diff"))
-    return "" if diff is None else f"max|diff| {diff:.2g}"
-
-
 def report(rows: list[dict]) -> None:
     table = []
     for r in rows:
         size = f"B={r['batch']}" if "batch" in r else r["tokens"]
-        table.append([r["kind"], size, r["ours_ms"], r["hf_ms"], f"{r['speedup']:.2f}x", check(r)])
-    print_table(["row", "size", "ours ms", "HF ms", "HF/ours", "check"], table)
+        speed = "n/a: " + r["unavailable"][:40] if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        base = "-" if r["baseline_ms"] is None else r["baseline_ms"]
+        table.append([r["kind"], size, r["baseline"], r["ours_ms"], base, speed])
+    print_table(["row", "size", "baseline", "ours ms", "base ms", "base/ours"], table)
 
 
 def main(argv=None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    env = harness.Environment.start(args, argv)
     sweep = SWEEPS[(args.preset, "smoke" if args.smoke else args.quick)]
     with torch.no_grad():
         model = build(args)
-        hf = to_hf_gemma(model, share=True)
+        hfs = {b.name: b for b in language_baselines(model, not args.skip_compiled)}
         warm = [random_ids(sweep.context, model.cfg.vocab_size, 0, model.device)]
         ours_generate(model, warm, 3, batched=True)
-        hf_generate(hf, warm, 3)
-        rows = [prefill_row(model, hf, n, sweep.repeats) for n in sweep.prefill]
+        rows = [r for n in sweep.prefill for r in prefill_rows(model, hfs, n, sweep.repeats)]
+        exact = True
         for b in sweep.batches:
-            rows += decode_rows(model, hf, b, sweep)
-        rows.append(denoise_row(model, sweep.repeats))
-    decode = [r for r in rows if r["kind"] == "decode"]
+            more, ok = decode_rows(model, hfs, b, sweep)
+            rows += more
+            exact &= ok
+        rows += denoise_rows(model, sweep.repeats, not args.skip_compiled)
+        invariance = gemm_row_invariance(model)
+    ratios = {
+        f"{r['kind']}/{r.get('batch', r.get('tokens'))}/{r['baseline']}": r["speedup"] for r in rows
+    }
+    b1 = ratios.get("decode/1/hf_sdpa_batched")
     result = {
         "benchmark": "step",
-        "device": device_name(args.device),
         "preset": args.preset,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "transformers": transformers.__version__,
         "quick": args.quick,
         "checkpoint": args.checkpoint,
         "sweep": asdict(sweep),
         "rows": rows,
-        "speedup_decode_vs_hf": decode[-1]["speedup"],  # at the largest batch
-        "speedup_decode_vs_hf_by_batch": {str(r["batch"]): r["speedup"] for r in decode},
-        "exact": all(r["tokens_equal_hf"] and r["batched_equals_one_by_one"] for r in decode),
+        "ratios": ratios,
+        "decode_b1_vs_hf_sdpa_one_request": b1,
+        "gemm_row_invariance": invariance,
+        "exact": exact,
     }
+    result = harness.finish(result, env, args.json)
     print(f"bench step: preset {args.preset} on {result['device']} ({result['dtype']})")
     report(rows)
-    speedup, largest = result["speedup_decode_vs_hf"], decode[-1]["batch"]
-    print(f"decode speedup vs HF at B={largest}: {speedup:.2f}x; exact: {result['exact']}")
-    if args.json:
-        write_json(result, args.json)
+    if b1 is not None:
+        print(f"decode B=1 vs HF sdpa one-request generate: {b1:.2f}x (above 1: ours faster)")
+    print(f"exact: {exact}; GEMM rows that differ from 32 rows: {invariance['differ']}")
     return 0
 
 
