@@ -1,105 +1,148 @@
-"""`embodied-kv bench oxygen`: unified KV + cross-frame batching vs isolated execution.
+"""`embodied-kv bench oxygen`: unified KV + cross-frame batching vs isolated execution,
+with each mechanism alone and the tasks as concurrent processes.
 
-Both modes run the same model and weights on the same observation stream in this
-process. Every frame spawns one language request of `tokens` tokens:
+All modes run the same model and weights on the same observation stream. Every frame
+spawns one language request (a narration of `tokens` tokens) besides its action chunk:
 
-    isolated: prefill -> actions | prefill -> decode `tokens` steps alone   (each cycle)
-    unified:  prefill -> actions | ceil(tokens / inflight) batched steps    (each cycle)
+    isolated       prefill -> actions | prefill -> decode `tokens` steps alone   (each cycle)
+    sharing_only   prefill -> actions | decode `tokens` steps alone, same slot
+    batching_only  prefill -> actions | prefill | ceil(tokens / inflight) batched steps
+    unified        prefill -> actions | ceil(tokens / inflight) batched steps    (OxyGen)
+    concurrent     two OS processes, action and language, sharing the device
 
 so `inflight` requests from consecutive frames decode together in steady state and
-both modes produce the same tokens per cycle. Action frequency is OxyGen's:
-action horizon / cycle latency. `exact` is true when every request's text is the
-same in both modes.
+every mode produces the same tokens per cycle. Action frequency is OxyGen's: action
+horizon / cycle latency (concurrent: of the action process). Latency is per request,
+from the start of its frame's cycle to the end of the cycle that finishes it. Rounds
+run the modes interleaved; speedups are medians over rounds of isolated / mode cycle
+time. `exact`: every request's text is the same in every mode.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
-import time
 
 import torch
 
-from embodied_kv.bench.report import device_name, print_table, set_cpu_threads, write_json
-from embodied_kv.engine.action_queue import ActionQueue
-from embodied_kv.engine.frame_loop import FrameLoop
-from embodied_kv.engine.isolated import IsolatedRunner
+from embodied_kv.bench import harness
+from embodied_kv.bench.oxygen_modes import MODES, make_runner
+from embodied_kv.bench.oxygen_procs import ConcurrentTasks, observations
+from embodied_kv.bench.report import print_table
 from embodied_kv.engine.policy import LoopConfig
-from embodied_kv.kv.manager import KVCacheManager
 from embodied_kv.model.config import get_preset
-from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
+from embodied_kv.timing import device_clock
 
 CONTROL_HZ = 50.0  # the robot's action rate; a cycle must end within replan_every ticks
 
 
-def run_mode(runner, observations, warmup: int, replan_every: int, sync):
-    """Cycles of one mode -> (finished texts, per-cycle s, wall s, tokens), the last
-    three counted after `warmup` cycles."""
-    texts, cycle_s = {}, []
+def max_len_for(cfg, tokens: int) -> int:
+    return 64 * math.ceil((cfg.prefix_tokens_max + tokens + 2) / 64)
+
+
+def run_mode(runner, obs, warmup: int, replan_every: int, clock) -> dict:
+    """Cycles of one mode -> texts, per-cycle s, wall s, tokens and request latencies,
+    counted after `warmup` cycles."""
+    texts, cycle_s, latency_s, started = {}, [], [], {}
     t_start = tokens0 = None
-    for f, obs in enumerate(observations):
+    for f, o in enumerate(obs):
         if f == warmup:
-            sync()
-            t_start, tokens0 = time.perf_counter(), runner.manager.counters.tokens
-        res = runner.cycle(obs, f, tick=f * replan_every)
+            t_start, tokens0 = clock(), runner.manager.counters.tokens
+        started[f] = clock()
+        res = runner.cycle(o, f, tick=f * replan_every)
+        t_end = clock()
         if f >= warmup:
             cycle_s.append(res.cycle_s)
-        texts.update({e.request_id: e.text for e in res.events if e.done})
-    sync()
-    wall = time.perf_counter() - t_start
-    return texts, cycle_s, wall, runner.manager.counters.tokens - tokens0
+        for e in res.events:
+            if e.done:
+                texts[e.request_id] = e.text
+                if e.frame >= warmup:
+                    latency_s.append(t_end - started[e.frame])
+    wall = clock() - t_start
+    tokens = runner.manager.counters.tokens - tokens0
+    if hasattr(runner, "finish_all"):
+        texts.update({e.request_id: e.text for e in runner.finish_all() if e.done})
+    return {
+        "texts": texts,
+        "cycle_s": cycle_s,
+        "wall_s": wall,
+        "tokens": tokens,
+        "latency_s": latency_s,
+    }
 
 
-def measure(model, n_tokens: int, inflight: int, frames: int, warmup: int, sync) -> dict:
+def summarise(runs: list[dict], horizon: int, period_s: float) -> dict:
+    """Per mode, over rounds: medians of per-round figures; latency quantiles pooled."""
+    cycle = [statistics.median(r["cycle_s"]) for r in runs]
+    lat = sorted(x for r in runs for x in r["latency_s"])
+    return {
+        "cycle_ms": 1e3 * statistics.median(cycle),
+        "cycle_ms_p10_p90": [1e3 * harness.quantile(sorted(cycle), q) for q in (0.1, 0.9)],
+        "action_hz": horizon / statistics.median(cycle),
+        "tokens_per_s": statistics.median(r["tokens"] / r["wall_s"] for r in runs),
+        "latency_ms_p50": 1e3 * harness.quantile(lat, 0.5) if lat else None,
+        "latency_ms_p99": 1e3 * harness.quantile(lat, 0.99) if lat else None,
+        "requests_timed": len(lat),
+        "deadline_misses": sum(x > period_s for r in runs for x in r["cycle_s"]),
+    }
+
+
+def concurrent_round(procs: ConcurrentTasks, tokens: int, frames: int, warmup: int) -> dict:
+    """One round of the two processes, in the single-process modes' terms."""
+    res = procs.run(tokens, frames, warmup, seed=0)
+    act, lang = res["action"], res["language"]
+    return {
+        "texts": lang["texts"],
+        # a "cycle" ends when both tasks are done with the frame: the slower process sets it
+        "cycle_s": [max(a, b) for a, b in zip(act["frame_s"], lang["frame_s"], strict=True)],
+        "action_cycle_s": act["frame_s"],
+        "wall_s": lang["wall_s"],
+        "tokens": lang["tokens"],
+        "latency_s": lang["frame_s"],  # each request is served at once, alone
+    }
+
+
+def measure(model, tokens, inflight, frames, warmup, repeats, procs) -> dict:
     c = model.cfg
     replan_every = max(1, c.action_horizon // 2)
     period = replan_every / CONTROL_HZ
-    steps = math.ceil(n_tokens / inflight)
     cfg = LoopConfig(
-        period_s=1e9, narrate_every=1, narration_tokens=n_tokens, max_decode_steps=steps
+        period_s=1e9,
+        narrate_every=1,
+        narration_tokens=tokens,
+        max_decode_steps=math.ceil(tokens / inflight),
     )
-    max_len = 64 * math.ceil((c.prefix_tokens_max + n_tokens + 2) / 64)
-    obs = [
-        synthetic_observation(c, i, f"task {i % 4}: put the block in the bowl")
-        for i in range(frames)
-    ]
-
-    out = {}
-    for mode in ("isolated", "unified"):
-        queue = ActionQueue(c.action_horizon, c.action_dim)
-        if mode == "unified":
-            runner = FrameLoop(KVCacheManager(model, inflight + 2, max_len), queue, cfg)
-        else:
-            runner = IsolatedRunner(model, queue, cfg, max_len)
-        texts, cycles, wall, tokens = run_mode(runner, obs, warmup, replan_every, sync)
-        if mode == "unified":
-            for e in runner.finish_all():
-                if e.done:
-                    texts[e.request_id] = e.text
-        latency = sum(cycles) / len(cycles)
-        out[mode] = {
-            "cycle_ms": 1e3 * latency,
-            "cycle_hz": 1.0 / latency,
-            "action_hz": c.action_horizon / latency,
-            "tokens_per_s": tokens / wall,
-            "deadline_misses": sum(x > period for x in cycles),
-            "texts": texts,
-        }
-    u, i = out["unified"], out["isolated"]
-    exact = all(u["texts"].get(k) == v for k, v in i["texts"].items()) and len(i["texts"]) > 0
-    for m in out.values():
-        m.pop("texts")
-    return {
-        "tokens": n_tokens,
-        "inflight": inflight,
-        "period_ms": 1e3 * period,
-        "speedup": i["cycle_ms"] / u["cycle_ms"],
-        "exact": exact,
-        "unified": u,
-        "isolated": i,
-    }
+    obs = observations(c, frames)
+    clock = device_clock(model.device)
+    max_len = max_len_for(c, tokens)
+    runs = {m: [] for m in (*MODES, "concurrent")}
+    for r in range(repeats):
+        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+        for mode in order:
+            runner = make_runner(mode, model, cfg, inflight, max_len)
+            runs[mode].append(run_mode(runner, obs, warmup, replan_every, clock))
+        if procs is not None:
+            runs["concurrent"].append(concurrent_round(procs, tokens, frames, warmup))
+    if procs is None:
+        runs.pop("concurrent")
+    reference = runs["isolated"][0]["texts"]
+    out = {"tokens": tokens, "inflight": inflight, "period_ms": 1e3 * period}
+    out["exact"] = bool(reference) and all(
+        r["texts"].get(k) == v for rs in runs.values() for r in rs for k, v in reference.items()
+    )
+    iso = [statistics.median(r["cycle_s"]) for r in runs["isolated"]]
+    for mode, rs in runs.items():
+        out[mode] = summarise(rs, c.action_horizon, period)
+        cyc = [statistics.median(r["cycle_s"]) for r in rs]
+        out[mode]["speedup_vs_isolated"] = harness.ratio(iso, cyc)
+        if mode == "concurrent":
+            act = statistics.median(statistics.median(r["action_cycle_s"]) for r in rs)
+            out[mode]["action_hz"] = c.action_horizon / act
+    out["speedup"] = out["unified"]["speedup_vs_isolated"]
+    return out
 
 
 def plot(rows, path: str) -> None:
@@ -108,110 +151,115 @@ def plot(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    modes = [m for m in (*MODES, "concurrent") if m in rows[0]]
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
-    for k in sorted({r["inflight"] for r in rows}):
-        rs = [r for r in rows if r["inflight"] == k]
-        x = [r["tokens"] for r in rs]
-        ax[0].plot(x, [r["speedup"] for r in rs], "o-", label=f"{k} in flight")
-        ax[1].plot(x, [r["unified"]["action_hz"] for r in rs], "o-", label=f"unified, {k}")
-        ax[2].plot(x, [r["unified"]["tokens_per_s"] for r in rs], "o-", label=f"unified, {k}")
-    rs = [r for r in rows if r["inflight"] == rows[0]["inflight"]]
-    ax[1].plot(
-        [r["tokens"] for r in rs], [r["isolated"]["action_hz"] for r in rs], "k--", label="isolated"
-    )
-    ax[2].plot(
-        [r["tokens"] for r in rs],
-        [r["isolated"]["tokens_per_s"] for r in rs],
-        "k--",
-        label="isolated",
-    )
-    for a, t in zip(
-        ax, ("speedup unified / isolated", "action Hz", "language tokens/s"), strict=True
-    ):
-        a.set_xscale("log", base=2)
-        a.set_xlabel("language tokens per request")
+    x = [f"{r['tokens']}x{r['inflight']}" for r in rows]
+    for m in modes:
+        ax[0].plot(x, [r[m]["cycle_ms"] for r in rows], "o-", label=m)
+        ax[1].plot(x, [r[m]["tokens_per_s"] for r in rows], "o-", label=m)
+        ax[2].plot(x, [r[m]["latency_ms_p50"] or 0 for r in rows], "o-", label=m)
+    for a, t in zip(ax, ("cycle ms", "language tokens/s", "request latency p50 ms"), strict=True):
+        a.set_xlabel("tokens per request x requests in flight")
         a.set_title(t)
         a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv):
     p = argparse.ArgumentParser(prog="embodied-kv bench oxygen", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help="small sweep, < 60 s on a 2-core CPU")
-    p.add_argument("--json", help="write the results here")
+    harness.add_common_args(p)
     p.add_argument("--png", help="write the sweep plot here (default: next to --json)")
-    p.add_argument("--allow-cpu-pi05", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (see report.py)")
-    a = p.parse_args(argv)
-    set_cpu_threads(a.threads)
-    if a.preset == "pi05" and a.device == "cpu" and not a.allow_cpu_pi05:
-        print("pi05 on the CPU takes hours; use --device cuda or --allow-cpu-pi05", file=sys.stderr)
-        return 2
-    torch.manual_seed(0)
+    p.add_argument(
+        "--no-concurrent", action="store_true", help="leave out the two-process baseline"
+    )
+    return harness.parse(p, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    env = harness.Environment.start(a, argv)
     model = build_model(get_preset(a.preset), a.device)
-    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     lengths = (16, 64) if a.quick else (16, 64, 256)
     inflight = (4,) if a.quick else (1, 4, 8)
-    frames, warmup = (8, 2) if a.quick else (16, 3)
-    rows = [measure(model, n, k, frames, warmup, sync) for k in inflight for n in lengths]
+    frames, warmup, repeats = (8, 2, 3) if a.quick else (16, 3, 5)
+    procs = None
+    if not a.no_concurrent:
+        procs = ConcurrentTasks.start(
+            a.preset, a.device, a.threads, max_len_for(model.cfg, max(lengths))
+        )
+    try:
+        with torch.no_grad():
+            rows = [
+                measure(model, n, k, frames, warmup, repeats, procs)
+                for k in inflight
+                for n in lengths
+            ]
+    finally:
+        if procs is not None:
+            procs.stop()
     head = max(rows, key=lambda r: (r["tokens"], r["inflight"]))
+    ratios = {
+        f"{r['tokens']}x{r['inflight']}/{m}": r[m]["speedup_vs_isolated"]
+        for r in rows
+        for m in (*MODES, "concurrent")
+        if m in r and m != "isolated"
+    }
     result = {
         "benchmark": "oxygen",
-        "device": device_name(a.device),
         "preset": a.preset,
         "quick": a.quick,
         "speedup": head["speedup"],
         "headline_row": {"tokens": head["tokens"], "inflight": head["inflight"]},
         "unified": head["unified"],
         "isolated": head["isolated"],
+        "ratios": ratios,
         "exact": all(r["exact"] for r in rows),
         "rows": rows,
     }
+    result = harness.finish(result, env, a.json)
+    table = []
+    for r in rows:
+        for m in (*MODES, "concurrent"):
+            if m not in r:
+                continue
+            s = r[m]
+            table.append(
+                [
+                    r["tokens"],
+                    r["inflight"],
+                    m,
+                    s["cycle_ms"],
+                    s["speedup_vs_isolated"],
+                    s["action_hz"],
+                    s["tokens_per_s"],
+                    s["latency_ms_p50"],
+                    s["latency_ms_p99"],
+                    r["exact"],
+                ]
+            )
     print_table(
         [
             "tokens",
             "inflight",
-            "iso cycle ms",
-            "uni cycle ms",
-            "speedup",
-            "uni action Hz",
-            "uni tok/s",
-            "iso tok/s",
-            "uni misses",
-            "iso misses",
+            "mode",
+            "cycle ms",
+            "iso/mode",
+            "action Hz",
+            "tok/s",
+            "lat p50 ms",
+            "lat p99 ms",
             "exact",
         ],
-        [
-            [
-                r["tokens"],
-                r["inflight"],
-                r["isolated"]["cycle_ms"],
-                r["unified"]["cycle_ms"],
-                r["speedup"],
-                r["unified"]["action_hz"],
-                r["unified"]["tokens_per_s"],
-                r["isolated"]["tokens_per_s"],
-                r["unified"]["deadline_misses"],
-                r["isolated"]["deadline_misses"],
-                r["exact"],
-            ]
-            for r in rows
-        ],
+        table,
     )
     print(
         f"oxygen [{result['device']}, {a.preset}]: unified/isolated = {head['speedup']:.2f}x "
         f"at {head['tokens']} tokens, {head['inflight']} in flight; exact={result['exact']}"
     )
-    if a.json:
-        write_json(result, a.json)
+    if a.json or a.png:
         png = a.png or a.json.rsplit(".", 1)[0] + ".png"
         plot(rows, png)
-        print(f"wrote {a.json} and {png}")
-    elif a.png:
-        plot(rows, a.png)
     return 0
 
 
