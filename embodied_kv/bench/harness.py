@@ -172,6 +172,20 @@ def interleave(
     return interleave_calls(timed, warmup, repeats)
 
 
+def looped(fn: Callable[[], object], k: int) -> Callable[[], object]:
+    """fn called k times per call: for sub-10 ms work on a loaded machine, where one
+    preemption by the OS (a scheduler slice) would otherwise be the measurement. Divide
+    the timings by k."""
+
+    def run():
+        out = None
+        for _ in range(k):
+            out = fn()
+        return out
+
+    return run
+
+
 def ratio(baseline: Sequence[float], candidate: Sequence[float]) -> float:
     """Median over rounds of baseline / candidate (paired by round when the counts match,
     else the ratio of medians)."""

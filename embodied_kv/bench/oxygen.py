@@ -173,6 +173,7 @@ def parse(argv):
     p.add_argument(
         "--no-concurrent", action="store_true", help="leave out the two-process baseline"
     )
+    p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tests: one row
     return harness.parse(p, argv)
 
 
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = (16, 64) if a.quick else (16, 64, 256)
     inflight = (4,) if a.quick else (1, 4, 8)
     frames, warmup, repeats = (8, 2, 3) if a.quick else (16, 3, 5)
+    if a.smoke:
+        lengths, inflight, frames, warmup, repeats = (8,), (2,), 5, 1, 1
     procs = None
     if not a.no_concurrent:
         procs = ConcurrentTasks.start(
