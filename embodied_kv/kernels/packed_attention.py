@@ -19,10 +19,11 @@ thread, every GEMM shape of the tiny preset, `bench step` records the probe) row
 1..3 disagree with >= 4 rows, and an earlier torch build disagreed at 1..11 except 4
 and 8, so the multiples of ROW_BUCKET = 4 agree on both. A step is padded once to a
 multiple of ROW_BUCKET tokens (kv/step.py); inside attention a run of n tokens of one
-slot is a [n * group, D] GEMM, padded only where n * group < ROW_BUCKET. Runs with the
-same (tokens, key bucket) go through one batched GEMM (a batch entry rounds as it does
-alone) and keys are padded to a multiple of KEY_BLOCK; masked keys contribute exact
-zeros. So a decode of B slots is a few batched GEMMs, not B padded ones.
+slot is [n * group, D] query rows (the query heads of a kv head folded into rows), padded
+only where n * group < ROW_BUCKET. Runs with the same (tokens, key bucket) go through one
+batched `scaled_dot_product_attention` call (a batch entry rounds as it does alone, checked
+by test/kernels) and keys are padded to a multiple of KEY_BLOCK; masked keys contribute
+exact zeros. So a decode of B slots is a few batched calls, not B runs padded to 16 rows.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def packed_attention_ref(
 
 
 def _attend_runs(q, k_cache, v_cache, kv_len, scale, runs, n: int, t: int, out) -> None:
-    """Attention for G runs of n tokens each that read t keys: one batched GEMM pair.
+    """Attention for G runs of n tokens each that read t keys: one batched sdpa call.
 
     q [N, Hq, D] -> out rows of these runs; scores [G, Hkv, rows * group, t]."""
     _, hq, d = q.shape
