@@ -24,8 +24,9 @@ from contextlib import contextmanager
 
 import torch
 
+from embodied_kv.bench import harness
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
-from embodied_kv.bench.report import print_table, write_json
+from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kv.step import Segment, commit_step, plan_step
@@ -197,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="accepted for uniformity; no effect")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--text-tokens", type=int, default=TEXT_TOKENS)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (as every bench)")
     a = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    a.device = "cpu"  # the census runs on the CPU whatever device it estimates
+    env = harness.Environment.start(a, argv)
     result = estimate(text_tokens=a.text_tokens)
     print_table(
         "cams kernels TFLOP GB limit busy gaps today graphs rowpad x".split(),
@@ -224,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {r['kernels'][k]} kernels {v:.2f} ms" for k, v in r["region_ms"].items()
         )
         print(f"  {r['cameras']} cameras: {parts}")
-    if a.json:
-        write_json(result, a.json)
+    harness.finish(result, env, a.json)
     return 0
 
 
