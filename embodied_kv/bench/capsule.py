@@ -42,7 +42,7 @@ from embodied_kv.model.vla import build_model
 from embodied_kv.timing import device_clock, elapsed_ms
 
 CHECK_TOKENS = 8  # tokens compared after restore
-INNER = 5  # restore / fork calls per timed sample (they take ~1 ms; see harness.looped)
+INNER = 20  # restore / fork calls per timed sample (they take ~1 ms; see harness.looped)
 
 
 def text_ids(n: int) -> torch.Tensor:

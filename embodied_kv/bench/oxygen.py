@@ -13,9 +13,11 @@ spawns one language request (a narration of `tokens` tokens) besides its action 
 so `inflight` requests from consecutive frames decode together in steady state and
 every mode produces the same tokens per cycle. Action frequency is OxyGen's: action
 horizon / cycle latency (concurrent: of the action process). Latency is per request,
-from the start of its frame's cycle to the end of the cycle that finishes it. Rounds
-run the modes interleaved; speedups are medians over rounds of isolated / mode cycle
-time. `exact`: every request's text is the same in every mode.
+from the start of its frame's cycle to the end of the cycle that finishes it, on the
+mode's own clock (its cycles back to back). The single-process modes run in lock-step,
+one cycle of each per frame, and speedups are medians over rounds of isolated / mode
+median cycle time; the two processes run after them in each round. `exact`: every
+request's text is the same in every mode.
 """
 
 from __future__ import annotations
@@ -43,35 +45,37 @@ def max_len_for(cfg, tokens: int) -> int:
     return 64 * math.ceil((cfg.prefix_tokens_max + tokens + 2) / 64)
 
 
-def run_mode(runner, obs, warmup: int, replan_every: int, clock) -> dict:
-    """Cycles of one mode -> texts, per-cycle s, wall s, tokens and request latencies,
-    counted after `warmup` cycles."""
-    texts, cycle_s, latency_s, started = {}, [], [], {}
-    t_start = tokens0 = None
+def run_modes(runners: dict, obs, warmup: int, replan_every: int, clock) -> dict[str, dict]:
+    """All modes in lock-step, one cycle of each per frame (the order rotating), so a
+    burst of load from elsewhere hits every mode alike -> per mode: texts, per-cycle s,
+    busy s, tokens and request latencies, counted after `warmup` cycles."""
+    names = list(runners)
+    out = {m: {"texts": {}, "cycle_s": [], "latency_s": [], "wall_s": 0.0} for m in names}
+    own = dict.fromkeys(names, 0.0)  # each mode's own time: its cycles back to back
+    started = {m: {} for m in names}
+    tokens0 = {}
     for f, o in enumerate(obs):
         if f == warmup:
-            t_start, tokens0 = clock(), runner.manager.counters.tokens
-        started[f] = clock()
-        res = runner.cycle(o, f, tick=f * replan_every)
-        t_end = clock()
-        if f >= warmup:
-            cycle_s.append(res.cycle_s)
-        for e in res.events:
-            if e.done:
-                texts[e.request_id] = e.text
-                if e.frame >= warmup:
-                    latency_s.append(t_end - started[e.frame])
-    wall = clock() - t_start
-    tokens = runner.manager.counters.tokens - tokens0
-    if hasattr(runner, "finish_all"):
-        texts.update({e.request_id: e.text for e in runner.finish_all() if e.done})
-    return {
-        "texts": texts,
-        "cycle_s": cycle_s,
-        "wall_s": wall,
-        "tokens": tokens,
-        "latency_s": latency_s,
-    }
+            tokens0 = {m: r.manager.counters.tokens for m, r in runners.items()}
+        for m in names[f % len(names) :] + names[: f % len(names)]:
+            started[m][f] = own[m]
+            t0 = clock()
+            res = runners[m].cycle(o, f, tick=f * replan_every)
+            own[m] += clock() - t0
+            rec = out[m]
+            if f >= warmup:
+                rec["cycle_s"].append(res.cycle_s)
+                rec["wall_s"] += own[m] - started[m][f]
+            for e in res.events:
+                if e.done:
+                    rec["texts"][e.request_id] = e.text
+                    if e.frame >= warmup:
+                        rec["latency_s"].append(own[m] - started[m][e.frame])
+    for m, r in runners.items():
+        out[m]["tokens"] = r.manager.counters.tokens - tokens0[m]
+        if hasattr(r, "finish_all"):
+            out[m]["texts"].update({e.request_id: e.text for e in r.finish_all() if e.done})
+    return out
 
 
 def summarise(runs: list[dict], horizon: int, period_s: float) -> dict:
@@ -119,11 +123,10 @@ def measure(model, tokens, inflight, frames, warmup, repeats, procs) -> dict:
     clock = device_clock(model.device)
     max_len = max_len_for(c, tokens)
     runs = {m: [] for m in (*MODES, "concurrent")}
-    for r in range(repeats):
-        order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
-        for mode in order:
-            runner = make_runner(mode, model, cfg, inflight, max_len)
-            runs[mode].append(run_mode(runner, obs, warmup, replan_every, clock))
+    for _ in range(repeats):
+        runners = {m: make_runner(m, model, cfg, inflight, max_len) for m in MODES}
+        for m, res in run_modes(runners, obs, warmup, replan_every, clock).items():
+            runs[m].append(res)
         if procs is not None:
             runs["concurrent"].append(concurrent_round(procs, tokens, frames, warmup))
     if procs is None:

@@ -140,17 +140,20 @@ def _attend_runs(q, k_cache, v_cache, kv_len, scale, runs, n: int, t: int, out) 
         qs, lens = q.index_select(0, idx).view(g, n, hq, d), kv_len[idx].view(g, n)
         k = k_cache[:, :t].index_select(0, slots)  # [G, t, Hkv, D]
         v = v_cache[:, :t].index_select(0, slots)
-    qs = qs.float()
-    if rows > n:  # padded rows attend to key 0 only and are dropped
-        qs = torch.cat([qs, qs.new_zeros(g, rows - n, hq, d)], dim=1)
-        lens = torch.cat([lens, lens.new_ones(g, rows - n)], dim=1)
-    qs = qs.view(g, rows, hkv, group, d).transpose(1, 2).reshape(g, hkv, rows * group, d)
-    keep = torch.arange(t, device=dev) < lens.unsqueeze(-1)  # [G, rows, t]
-    keep = keep.unsqueeze(2).expand(g, rows, group, t).reshape(g, 1, rows * group, t)
-    o = F.scaled_dot_product_attention(
-        qs, k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=keep, scale=scale
-    )  # [G, Hkv, rows*group, D]
-    o = o.view(g, hkv, rows, group, d).transpose(1, 2)[:, :n].reshape(g * n, hq, d)
+    qs, k, v = qs.float(), k.float().transpose(1, 2), v.float().transpose(1, 2)
+    if rows == 1:  # one token per run: a kv head's query heads are the rows, mask broadcast
+        keep = (torch.arange(t, device=dev) < lens).view(g, 1, 1, t)  # lens [G, 1]
+        o = F.scaled_dot_product_attention(qs.view(g, hkv, group, d), k, v, keep, scale=scale)
+        o = o.view(g, hq, d)  # [G, Hkv, group, D] -> [G*n, Hq, D]
+    else:
+        if rows > n:  # padded rows attend to key 0 only and are dropped
+            qs = torch.cat([qs, qs.new_zeros(g, rows - n, hq, d)], dim=1)
+            lens = torch.cat([lens, lens.new_ones(g, rows - n)], dim=1)
+        qs = qs.view(g, rows, hkv, group, d).transpose(1, 2).reshape(g, hkv, rows * group, d)
+        keep = torch.arange(t, device=dev) < lens.unsqueeze(-1)  # [G, rows, t]
+        keep = keep.unsqueeze(2).expand(g, rows, group, t).reshape(g, 1, rows * group, t)
+        o = F.scaled_dot_product_attention(qs, k, v, keep, scale=scale)  # [G, Hkv, rows*group, D]
+        o = o.view(g, hkv, rows, group, d).transpose(1, 2)[:, :n].reshape(g * n, hq, d)
     if g == 1:
         out[idx] = o.to(q.dtype)
     else:
