@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths = (1024, 4096) if a.quick else (256, 512, 1024, 2048, 4096, 8192)
     else:
         lengths = (128, 512, 2048) if a.quick else (128, 256, 512, 1024, 2048)
-    repeats = 5 if a.quick else 9
+    repeats = 9 if a.quick else 15
     if a.smoke:
         lengths, repeats = (128, 512), 2
     shortest = bench_prefix(model).embeds.shape[0]

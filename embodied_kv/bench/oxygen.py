@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(get_preset(a.preset), a.device)
     lengths = (16, 64) if a.quick else (16, 64, 256)
     inflight = (4,) if a.quick else (1, 4, 8)
-    frames, warmup, repeats = (8, 2, 3) if a.quick else (16, 3, 5)
+    frames, warmup, repeats = (8, 2, 4) if a.quick else (16, 3, 5)
     if a.smoke:
         lengths, inflight, frames, warmup, repeats = (8,), (2,), 5, 1, 1
     procs = None

@@ -59,7 +59,7 @@ PREFILL_INNER_TOKENS = 512  # prefills shorter than this repeat inside one timed
 
 SWEEPS = {
     ("tiny", False): Sweep((64, 128, 256), (1, 4, 16), 96, 32, 9),
-    ("tiny", True): Sweep((64, 256), (1, 4, 16), 64, 12, 5),
+    ("tiny", True): Sweep((64, 256), (1, 4, 16), 64, 12, 7),
     ("tiny", "smoke"): Sweep((64,), (1, 4), 32, 6, 2),  # tests only
     ("pi05", False): Sweep((256, 512, 1024), (1, 4, 16), 512, 32, 10),
     ("pi05", True): Sweep((256, 512, 1024), (1, 4, 16), 512, 16, 3),
