@@ -26,10 +26,13 @@ def test_a_length_shorter_than_the_frame_prefix_measures_the_prefix(tmp_path):
     """pi05's 3-camera prefix (923 rows) outgrew the arena sized for 128 / 512 rows."""
     from embodied_kv.bench.capsule import bench_prefix, measure
     from embodied_kv.model.config import get_preset
+    from embodied_kv.model.hf_interop import to_hf_gemma
     from embodied_kv.model.vla import build_model
 
     model = build_model(get_preset("tiny", num_cameras=8))  # 8 x 16 image tokens + prompt
     n = bench_prefix(model).embeds.shape[0]
-    row = measure(model, 16, 1, lambda: None, str(tmp_path))  # was: an arena of 128 rows
+    hf = to_hf_gemma(model, share=True, attn_implementation="sdpa")
+    row = measure(model, hf, 16, 1, str(tmp_path))  # was: an arena of 128 rows
     assert n > 128
     assert row["prefix_len"] == n and row["token_exact"] is True
+    assert row["resident_token_exact"] is True
