@@ -21,6 +21,7 @@ from embodied_kv.engine.frame_loop import CycleResult, FrameLoop, TextEvent
 from embodied_kv.engine.isolated import IsolatedRunner
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
 from embodied_kv.kv.manager import KVCacheManager
+from embodied_kv.model.action_space import identity_io
 from embodied_kv.timing import device_clock
 
 MODES = ("isolated", "sharing_only", "batching_only", "unified")
@@ -36,6 +37,7 @@ class AblationRunner:
         self.manager = KVCacheManager(model, num_slots, max_len)
         self.policy = LanguagePolicy(cfg)
         self.clock = device_clock(model.device)
+        self.robot = identity_io(model.cfg.state_dim, model.cfg.action_dim)  # as FrameLoop
 
     def cycle(self, obs, frame: int, tick: int) -> CycleResult:
         m, model = self.manager, self.model
@@ -44,7 +46,8 @@ class AblationRunner:
         t_prefill = self.clock()
         noise = model.make_noise(self.cfg.seed + frame)
         chunk = model.sample_actions(m.arena, fp.slot, fp.prefix_len, noise)
-        self.queue.push(chunk.float().cpu().numpy(), tick)
+        chunk = self.robot.actions_out(chunk.float().cpu().numpy(), obs.robot_state)
+        self.queue.push(chunk, tick)
         t_action = self.clock()
         for task in self.policy.tasks_for(frame):
             own = fp if self.share else m.prefill_frame(frame, model.embed_prefix(obs))
