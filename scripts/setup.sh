@@ -82,9 +82,9 @@ if [ "$(cat "$VENV/.embodied_kv-deps" 2>/dev/null)" != "$deps_key" ]; then
   say "dependencies installed in $((SECONDS - start)) s"
 fi
 
-# --- 3. interfaces (msg/, srv/) into the venv prefix ---
+# --- 3. interfaces (msg/, srv/, action/) into the venv prefix ---
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-iface_key="$(hash_of "$ROOT"/msg/*.msg "$ROOT"/srv/*.srv "$ROOT/CMakeLists.txt" "$ROOT/package.xml")-$deps_key"
+iface_key="$(hash_of "$ROOT"/msg/*.msg "$ROOT"/srv/*.srv "$ROOT"/action/*.action "$ROOT/CMakeLists.txt" "$ROOT/package.xml")-$deps_key"
 if [ "$(cat "$BUILD/.embodied_kv-interfaces" 2>/dev/null)" != "$iface_key" ] \
    || [ ! -f "$site/embodied_kv/msg/__init__.py" ]; then
   say "building msg/srv interfaces"
@@ -102,8 +102,8 @@ if [ "$(cat "$BUILD/.embodied_kv-interfaces" 2>/dev/null)" != "$iface_key" ] \
     tail -n 30 "$log" >&2
     die "interface build failed; full log: $log"
   fi
-  "$VENV/bin/python" -c 'import embodied_kv.msg, embodied_kv.srv' \
-    || die "interfaces built but embodied_kv.msg/.srv do not import from $VENV"
+  "$VENV/bin/python" -c 'import embodied_kv.msg, embodied_kv.srv, embodied_kv.action' \
+    || die "interfaces built but embodied_kv.msg/.srv/.action do not import from $VENV"
   echo "$iface_key" > "$BUILD/.embodied_kv-interfaces"
   say "interfaces built in $((SECONDS - start)) s"
 fi

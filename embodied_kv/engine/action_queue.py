@@ -22,6 +22,7 @@ class QueueCounters:
     chunks: int = 0
     ticks: int = 0
     misses: int = 0  # ticks with no fresh action: the last one was repeated
+    held: int = 0  # ticks that repeated the last action on purpose (hold)
 
 
 class ActionQueue:
@@ -32,6 +33,7 @@ class ActionQueue:
         self._chunk: np.ndarray | None = None  # [H, A] float64
         self._start = 0  # tick of the chunk's first action
         self._last = np.zeros(action_dim)
+        self._held = False  # hold(): repeat the last action until the next push
         self._lock = threading.Lock()
         self.counters = QueueCounters()
 
@@ -48,7 +50,13 @@ class ActionQueue:
                     if 0 <= old_i < self.horizon:
                         w = (i + 1) / (self.blend + 1)
                         new[i] = w * chunk[i] + (1 - w) * self._chunk[old_i]
-            self._chunk, self._start = new, start_tick
+            self._chunk, self._start, self._held = new, start_tick, False
+
+    def hold(self) -> None:
+        """Drop the chunk: every tick repeats the last action until the next push (a
+        cancelled goal, an engine in its safe state)."""
+        with self._lock:
+            self._chunk, self._held = None, True
 
     def pop(self, tick: int) -> tuple[np.ndarray, bool]:
         """The action for `tick` and whether it is fresh (False: a repeat, a miss)."""
@@ -57,6 +65,9 @@ class ActionQueue:
             i = tick - self._start
             if self._chunk is not None and 0 <= i < self.horizon:
                 self._last = self._chunk[i]
+                return self._last.copy(), True
+            if self._held:
+                self.counters.held += 1
                 return self._last.copy(), True
             self.counters.misses += 1
             return self._last.copy(), False
@@ -71,12 +82,20 @@ class ActionQueue:
             return out
 
     def state_meta(self) -> dict:
-        with self._lock:
-            return {"start": self._start, "counters": vars(self.counters).copy()}
+        with self._lock:  # counters describe the process: not state, never restored
+            return {"start": self._start, "held": self._held}
+
+    def check_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        last, chunk = tensors.get("last"), tensors.get("chunk")
+        if last is None or tuple(last.shape) != (self.action_dim,):
+            raise ValueError(f"queue section: last action {None if last is None else last.shape}")
+        if chunk is not None and tuple(chunk.shape) != (self.horizon, self.action_dim):
+            raise ValueError(f"queue section: chunk {tuple(chunk.shape)}")
+        int(meta["start"])
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         with self._lock:
             self._chunk = tensors["chunk"].cpu().numpy().copy() if "chunk" in tensors else None
             self._last = tensors["last"].cpu().numpy().copy()
             self._start = int(meta["start"])
-            self.counters = QueueCounters(**meta["counters"])
+            self._held = bool(meta.get("held", False))

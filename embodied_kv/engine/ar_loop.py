@@ -14,6 +14,7 @@ as a separate step after it: the same tokens, one more step per cycle (the basel
 from __future__ import annotations
 
 from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.admission import admit
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.pipeline import ActionFlow
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
@@ -70,16 +71,12 @@ class ARLoop(FrameLoop):
         manager.counters.prompts_truncated += int(prefix.prompt_truncated)
         p = prefix.embeds.shape[0]
         fp = FramePrefix(frame, slot, p, out.prefix_logits, prefix.prompt_truncated, adopted=True)
-        for task in self.policy.tasks_for(frame):
-            suffix = self.model.tokenizer.encode(task.suffix, bos=False) if task.suffix else None
-            manager.create(
-                fp, task.request_id, task.kind, task.max_new_tokens, suffix, task.optional
-            )
+        refused = admit(manager, self.policy, fp, self.model.tokenizer)  # whole prompts only
         if not self.unified and manager.live():
             manager.decode_step()  # the separate-steps baseline
             steps += 1
 
-        events = self._emit()
+        events = refused + self._emit()
         t_end = self.clock()
         self.counters.cycles += 1
         self.counters.overruns += int(t_end > deadline)

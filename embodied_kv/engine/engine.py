@@ -1,8 +1,16 @@
 """The engine facade: one model, one KV manager, one action queue, one capsule store.
 
-This is what the ROS nodes, the demo and the benchmarks drive. Every verb takes the
-engine lock, so a service call never interleaves with a control cycle; the action
-queue has its own lock and is popped by the output path without waiting for it.
+This is what the ROS nodes, the demo and the benchmarks drive. Every verb on the
+session takes the engine lock, so a service call never interleaves with a control
+cycle; the action queue has its own lock and is popped by the output path without
+waiting for it, and ask() / memory updates take only the policy's / memory's lock.
+
+The session (DESIGN §7) is everything a capsule carries: KV slots, every request's
+generation state, the requests still waiting (policy), the id counters, the planner
+memory, the action queue, the latest observation, the frame. `episode_start` and the
+automatic per-cycle history (`auto-*`) are the engine's own capsule names; clients
+cannot write them. Restore is validate + stage, then swap (kv/capsule.py): a failed
+snapshot / restore / reset / rollback leaves the session and the store as they were.
 """
 
 from __future__ import annotations
@@ -14,20 +22,31 @@ from dataclasses import dataclass, field
 import torch
 
 from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.admission import fit_problem
 from embodied_kv.engine.ar_loop import ARLoop
+from embodied_kv.engine.events import OpenRequests, TextEvent, cancellations, open_requests
+from embodied_kv.engine.faults import CycleFaults
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.graphs import GraphRunner, default_mode
-from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
+from embodied_kv.engine.history import EPISODE_START, StepHistory, check_client_name
+from embodied_kv.engine.observation_state import (
+    check_observation,
+    load_observation,
+    observation_meta,
+    observation_tensors,
+)
+from embodied_kv.engine.plan_memory import PlanMemory
+from embodied_kv.engine.policy import LoopConfig, QueueFull, answer_suffix, arena_rows_needed
 from embodied_kv.kv.capsule import (
     Identity,
     capture,
     check_identity,
+    fork_slots,
     identity_of,
-    load_slot,
-    restore,
+    stage,
 )
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
-from embodied_kv.kv.manager import KVCacheManager, TaskKind
+from embodied_kv.kv.manager import KVCacheManager, Status, TaskKind
 from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.action_tokens import (
     ActionTokenConfig,
@@ -39,7 +58,8 @@ from embodied_kv.model.robot_loader import RobotSpec, find_tokenizer, load_robot
 from embodied_kv.model.vla import Observation, build_model
 from embodied_kv.timing import device_clock, elapsed_ms
 
-EPISODE_START = "episode_start"
+__all__ = ["EPISODE_START", "Engine", "EngineConfig", "check_client_name"]
+
 
 
 @dataclass(frozen=True)
@@ -58,8 +78,10 @@ class EngineConfig:
     narration_tokens: int = 32
     answer_tokens: int = 48
     max_decode_steps: int = 0  # per cycle; 0 = as many as fit before the deadline
+    max_pending: int = 16  # questions + plan requests waiting for a slot; more are refused
     seed: int = 0  # action noise of frame t: seed + t
     history: int = 8  # automatic per-cycle boundaries kept for rollback by steps (0: off)
+    max_cycle_failures: int = 3  # failed cycles in a row before the safe state
     auto_episode_capsule: bool = True  # snapshot `episode_start` when an episode begins
     cuda_graphs: bool = True  # capture decode / prefill / denoise graphs on CUDA
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -73,10 +95,25 @@ class EngineConfig:
             raise ValueError(f"bad engine config: {self}")
         if self.action_mode not in ("flow", "ar"):
             raise ValueError(f"action_mode={self.action_mode!r}: use 'flow' or 'ar'")
+        if self.max_pending < 1 or self.max_cycle_failures < 1:
+            raise ValueError(
+                f"max_pending={self.max_pending} and max_cycle_failures="
+                f"{self.max_cycle_failures} must be >= 1"
+            )
 
     @property
     def period_s(self) -> float:
         return self.replan_every / self.control_hz
+
+
+@dataclass
+class SessionCounters:
+    """Process counters of the session verbs (diagnostics; never restored)."""
+
+    refused_queue_full: int = 0
+    refused_too_long: int = 0
+    cancelled: int = 0  # requests dropped by a restore (reset, rollback), each told so
+    restores: int = 0
 
 
 class Engine:
@@ -103,6 +140,7 @@ class Engine:
             answer_tokens=cfg.answer_tokens,
             max_decode_steps=cfg.max_decode_steps,
             seed=cfg.seed,
+            max_pending=cfg.max_pending,
         )
         rows = arena_rows(cfg, c, loop_cfg)  # a bad max_len fails before any weight is built
         self.model = model or load_model(cfg)
@@ -118,6 +156,8 @@ class Engine:
         else:
             self.queue = ActionQueue(c.action_horizon, self.robot.action_dim, cfg.blend)
             self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
+        self.policy = self.loop.policy
+        self.memory = PlanMemory()
         self.store = CapsuleStore(cfg.store, self.model.device)
         if graph_mode is None:
             graph_mode = default_mode(self.model.device) if cfg.cuda_graphs else "off"
@@ -132,8 +172,12 @@ class Engine:
         self.identity = Identity(base.weights, robot)
         self.frame = 0
         self.instruction = ""
-        self.history: list[str] = []
+        self.steps = StepHistory(self._forget_capsule, cfg.history)  # rollback by steps
+        self.faults = CycleFaults(cfg.max_cycle_failures)
+        self.counters = SessionCounters()
+        self.held = False  # hold(): no new chunks, the last action repeats
         self._obs: Observation | None = None
+        self._outbox: list[TextEvent] = []  # final events of requests a restore dropped
 
     # -- inputs ----------------------------------------------------------------------
 
@@ -144,21 +188,91 @@ class Engine:
             self._obs = model_obs
             self.instruction = obs.instruction
 
-    def ask(self, request_id: str, text: str, kind: TaskKind = TaskKind.ANSWER) -> None:
-        self.loop.policy.ask(request_id, text, kind)
+    def ask(self, text: str, kind: TaskKind = TaskKind.ANSWER) -> tuple[str, TextEvent | None]:
+        """Queue a question (or a PLAN prompt) -> (request id, None), or (request id, its
+        final REFUSED event) when the queue is full or the prompt cannot fit a slot with
+        the frame's longest prefix and the whole token budget (never cut)."""
+        policy = self.policy
+        request_id = policy.next_id(kind)
+        suffix = answer_suffix(text) if kind is TaskKind.ANSWER else text
+        n = len(self.model.tokenizer.encode(suffix, bos=False))
+        budget = policy.cfg.answer_tokens
+        rows = self.manager.arena.spec.max_len
+        reason = fit_problem(self.model.cfg.prefix_tokens_max, n, budget, rows)
+        if reason:
+            self.counters.refused_too_long += 1
+            return request_id, self._refused(request_id, kind, reason)
+        try:
+            policy.enqueue(request_id, text, kind)
+        except QueueFull as e:
+            self.counters.refused_queue_full += 1
+            return request_id, self._refused(request_id, kind, str(e))
+        return request_id, None
+
+    def plan(self, goal: str) -> tuple[str, TextEvent | None]:
+        """A plan request over the memory as text (see ask)."""
+        return self.ask(self.memory.prompt(goal), TaskKind.PLAN)
+
+    def update_memory(self, op: int, key: str, text: str, max_segments: int) -> None:
+        """One memory update (PlanMemory.apply; ValueError leaves the memory unchanged)."""
+        self.memory.apply(op, key, text, max_segments)
+
+    def _refused(self, request_id: str, kind: TaskKind, reason: str) -> TextEvent:
+        return TextEvent(request_id, kind, self.frame, "", "", True, False, Status.REFUSED, reason)
 
     # -- the control cycle -------------------------------------------------------------
 
     def cycle(self, tick: int) -> CycleResult | None:
-        """One control cycle on the latest observation; None before the first one."""
+        """One control cycle on the latest observation; None before the first one.
+
+        A cycle that raises is undone (slots it took released) and counted; the error
+        is raised. Held or in the safe state, no cycle runs: the result (chunk None)
+        carries only the final events of requests a restore dropped, if any."""
         with self.lock:
             if self._obs is None:
                 return None
-            result = self.loop.cycle(self._obs, self.frame, tick)
+            if self.held or self.faults.safe:
+                events = self.take_events()
+                if not events:
+                    return None
+                return CycleResult(self.frame, None, 0, 0.0, 0.0, 0, 0.0, events)
+            before = set(self.manager.arena.in_use())
+            try:
+                result = self.loop.cycle(self._obs, self.frame, tick)
+            except Exception as e:
+                self._undo_cycle(before)
+                if self.faults.failed(e, self.frame):
+                    self.queue.hold()
+                raise
+            self.faults.succeeded()
             self.frame += 1
             if self.cfg.history:
                 self._record_boundary()
+            result.events[:0] = self.take_events()
             return result
+
+    def _undo_cycle(self, before: set[int]) -> None:
+        """Release every slot the failed cycle took that no request holds."""
+        arena = self.manager.arena
+        held = {r.slot for r in self.manager.requests.values() if r.slot is not None}
+        for s in arena.in_use():
+            if s not in before and s not in held:
+                arena.release(s)
+
+    def take_events(self) -> list[TextEvent]:
+        with self.lock:
+            events, self._outbox = self._outbox, []
+            return events
+
+    def hold(self) -> None:
+        """Stop cycling: the last action repeats, language pauses (a cancelled goal)."""
+        with self.lock:
+            self.held = True
+            self.queue.hold()
+
+    def resume(self) -> None:
+        with self.lock:
+            self.held = False
 
     def warmup(self) -> None:
         """Capture the CUDA graphs (on CUDA) and run one cycle's work without a deadline."""
@@ -171,36 +285,44 @@ class Engine:
     # -- episodes and capsules ---------------------------------------------------------
 
     def begin_episode(self) -> None:
-        """Empty every slot, request and queue; frame 0; snapshot `episode_start`."""
+        """Empty every slot, request, queue and the memory; frame 0; snapshot
+        `episode_start` (pinned): what `reset` restores."""
         with self.lock:
+            open_before = self._open_requests()
             for req in list(self.manager.requests.values()):
                 self.manager.release(req)
             for s in self.manager.arena.in_use():
                 self.manager.arena.release(s)
             if isinstance(self.loop, ARLoop):
                 self.loop.flow.reserve()  # the ring's slots stay the pipeline's
-            self.manager.counters = type(self.manager.counters)()
+            self.policy.take_pending()
+            self.memory.clear()
             self.queue.load_state(
-                {"last": torch.zeros(self.queue.action_dim, dtype=torch.float64)},
-                {"start": 0, "counters": {}},
+                {"last": torch.zeros(self.queue.action_dim, dtype=torch.float64)}, {"start": 0}
             )
             self.frame = 0
-            for name in self.history:
-                if name in self.store:
-                    self.store.delete(name)
-            self.history.clear()
+            self.steps.clear()
+            self._new_timeline(open_before, "cancelled: a new episode began")
             if self.cfg.auto_episode_capsule:
-                self.snapshot(EPISODE_START, "gpu", pin=True)
+                self._snapshot(EPISODE_START, "gpu", pin=True)
 
     def sections(self) -> dict:
+        sections = {"queue": self.queue, "policy": self.policy, "memory": self.memory}
         if isinstance(self.loop, ARLoop):  # the frames in flight are state
-            return {"queue": self.queue, "engine": self, "pipeline": self.loop.flow}
-        return {"queue": self.queue, "engine": self}
+            sections["pipeline"] = self.loop.flow
+        return {**sections, "engine": self}
 
     def snapshot(
         self, name: str, tier: str = "gpu", pin: bool = False
     ) -> tuple[CapsuleInfo, float]:
-        """Capture the whole boundary -> (info, elapsed ms)."""
+        """Capture the whole session under a client's name -> (info, elapsed ms)."""
+        check_client_name(name)
+        with self.lock:
+            ms = self._snapshot(name, tier, pin)
+            return self.store.info(name), ms  # the digest is computed here, off the cycle
+
+    def _snapshot(self, name: str, tier: str, pin: bool) -> float:
+        """Capture under any name -> elapsed ms (the history's path: no digest)."""
         with self.lock:
             clock = device_clock(self.model.device)
             t = clock()
@@ -212,83 +334,100 @@ class Engine:
                 self.sections(),
                 {"instruction": self.instruction, "frame": self.frame},
             )
-            info = self.store.put(cap, tier, pin)
-            return info, elapsed_ms(t, clock)
-
-    def restore(self, name: str = EPISODE_START, kv_only: bool = False) -> float:
-        """Restore a capsule into the live state -> elapsed ms."""
-        with self.lock:
-            clock = device_clock(self.model.device)
-            t = clock()
-            cap = self.store.get(name)
-            restore(cap, self.manager.arena, self.manager, self.identity, self.sections(), kv_only)
+            self.store.put(cap, tier, pin)
             return elapsed_ms(t, clock)
 
+    def restore(self, name: str = EPISODE_START, kv_only: bool = False) -> float:
+        """Restore a capsule into the live state -> elapsed ms. Starts a new timeline:
+        the automatic history of the old one is dropped (rollback by steps cannot walk
+        back into it); requests the capsule does not hold end with CANCELLED.
+        "" = `episode_start`."""
+        with self.lock:
+            ms = self._restore(name or EPISODE_START, kv_only)
+            self.steps.clear()
+            return ms
+
+    reset = restore  # `reset` of the kv_manager: a new episode from a capsule
+
+    def _restore(self, name: str, kv_only: bool = False) -> float:
+        clock = device_clock(self.model.device)
+        t = clock()
+        cap = self.store.load(name)  # disk: read and verified; the store is unchanged
+        staged = stage(
+            cap, self.manager.arena, self.manager, self.identity, self.sections(), kv_only
+        )
+        open_before = self._open_requests()
+        staged.apply()  # copies into fixed buffers and object swaps only
+        ms = elapsed_ms(t, clock)
+        self.store.used(cap)  # LRU + promotion, best effort
+        self.counters.restores += 1
+        self._new_timeline(open_before, f"cancelled: the session was restored to {name!r}")
+        return ms
+
     def rollback(self, name: str = "", steps_back: int = 0) -> float:
-        """Restore a named capsule, or the boundary `steps_back` cycles before the last."""
+        """Restore a named capsule, or the boundary `steps_back` engine cycles before the
+        last one of this timeline (one cycle = replan_every control ticks)."""
         with self.lock:
             if name:
                 return self.restore(name)
-            if not 0 <= steps_back < len(self.history):
-                raise ValueError(
-                    f"steps_back={steps_back}: {len(self.history)} boundaries kept (history)"
-                )
-            ms = self.restore(self.history[-1 - steps_back])
-            for stale in self.history[len(self.history) - steps_back :]:
-                if stale in self.store:
-                    self.store.delete(stale)
-            del self.history[len(self.history) - steps_back :]
+            ms = self._restore(self.steps.target(steps_back))
+            self.steps.drop_after(steps_back)
             return ms
 
     def fork(self, name: str, n: int) -> list[list[int]]:
         """n independent copies of a capsule's slots in free slots -> slot ids per branch."""
         with self.lock:
-            cap = self.store.get(name)
+            cap = self.store.load(name)
             check_identity(cap, self.identity)
-            arena = self.manager.arena
-            slots = cap.meta["arena"]["slots"]
-            if n < 1 or n * len(slots) > arena.num_free:
-                raise ValueError(
-                    f"fork of {name!r} x{n} needs {n * len(slots)} free slots, "
-                    f"{arena.num_free} are free"
-                )
-            branches = []
-            for _ in range(n):
-                branch = []
-                for s in slots:
-                    d = arena.allocate()
-                    load_slot(cap, arena, s, d)
-                    branch.append(d)
-                branches.append(branch)
-            return branches
+            return fork_slots(cap, self.manager.arena, n)
+
+    def _open_requests(self) -> OpenRequests:
+        return open_requests(self.manager, self.policy.pending(), self.frame)
+
+    def _new_timeline(self, open_before: OpenRequests, reason: str) -> None:
+        """After the session changed wholesale: new request ids, every request that
+        was open and is gone gets its final CANCELLED event, the loop runs again."""
+        self.policy.epoch.advance()
+        gone = cancellations(open_before, self._open_requests(), reason)
+        self.counters.cancelled += len(gone)
+        self._outbox += gone
+        self.faults.clear()
+        self.held = False
 
     def _record_boundary(self) -> None:
-        name = f"auto-{self.frame}"
-        self.snapshot(name, "gpu")
-        if name in self.history:  # after a rollback the frame numbers come round again
-            self.history.remove(name)
-        self.history.append(name)
-        while len(self.history) > self.cfg.history:
-            old = self.history.pop(0)
-            if old in self.store:
-                self.store.delete(old)
+        try:
+            self.steps.record(self.policy.epoch.nonce, lambda n: self._snapshot(n, "gpu", False))
+        except (OSError, RuntimeError, ValueError) as e:  # history is best effort
+            self.faults.last_error = f"history snapshot: {type(e).__name__}: {e}"
 
-    # -- capsule section of the engine itself --------------------------------------------
+    def _forget_capsule(self, name: str) -> None:
+        if name in self.store:
+            self.store.delete(name)
+
+    @property
+    def history(self) -> list[str]:
+        """This timeline's automatic boundaries, oldest first."""
+        return self.steps.names
+
+    # -- capsule section of the engine itself: frame and latest observation --------------
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
+        return observation_tensors(self._obs)
 
     def state_meta(self) -> dict:
-        return {
-            "frame": self.frame,
-            "instruction": self.instruction,
-            "loop": vars(self.loop.counters).copy(),
-        }
+        obs = observation_meta(self._obs)
+        return {"frame": self.frame, "instruction": self.instruction, "observation": obs}
+
+    def check_state(self, tensors: dict, meta: dict) -> None:
+        int(meta["frame"])
+        if not isinstance(meta["instruction"], str):
+            raise ValueError("engine section: instruction is not text")
+        check_observation(self.model.cfg, tensors, meta["observation"])
 
     def load_state(self, tensors: dict, meta: dict) -> None:
         self.frame = int(meta["frame"])
         self.instruction = meta["instruction"]
-        self.loop.counters = type(self.loop.counters)(**meta["loop"])
+        self._obs = load_observation(tensors, meta["observation"])
 
 
 def arena_rows(cfg: EngineConfig, model: ModelConfig, loop: LoopConfig) -> int:

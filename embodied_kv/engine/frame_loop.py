@@ -8,28 +8,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.admission import admit
+from embodied_kv.engine.events import TextEvent
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
-from embodied_kv.kv.manager import KVCacheManager, Request, TaskKind
+from embodied_kv.kv.manager import KVCacheManager, Request, Status, TaskKind
 from embodied_kv.model.action_space import RobotIO, identity_io
 from embodied_kv.model.vla import Observation
 from embodied_kv.timing import device_clock
 
 
-@dataclass(frozen=True)
-class TextEvent:
-    request_id: str
-    kind: TaskKind
-    frame: int  # the frame whose prefix the request continues
-    text: str  # everything generated so far
-    new_text: str  # since the previous event of this request
-    done: bool
-    truncated: bool
-
-
 @dataclass
 class CycleResult:
     frame: int
-    chunk: np.ndarray | None  # [H, robot action_dim] robot units; ar: None while filling
+    chunk: np.ndarray | None  # [H, robot action_dim] robot units; None: ar filling, or held
     prefix_len: int
     prefill_s: float
     action_s: float  # prefill start -> chunk in the queue
@@ -45,6 +36,9 @@ class LoopCounters:
     action_late: int = 0  # chunk ready after the cycle's deadline
     overruns: int = 0  # cycle ended after its deadline
     decode_deferred: int = 0  # cycles that stopped decoding with requests still live
+
+
+STARVE_CYCLES = 2  # cycles in a row without a decode step before one runs regardless
 
 
 class StepCost:
@@ -86,6 +80,7 @@ class FrameLoop:
         self.clock = clock or device_clock(self.model.device)
         self.cost = StepCost(cfg.cost_ema)
         self.counters = LoopCounters()
+        self._starved = 0  # cycles in a row that decoded nothing while requests were live
 
     def cycle(self, obs: Observation, frame: int, tick: int) -> CycleResult:
         """Frame `frame`, observed at control tick `tick`: its chunk covers tick.. on."""
@@ -97,27 +92,25 @@ class FrameLoop:
         fp = manager.prefill_frame(frame, self.model.embed_prefix(obs))
         t_prefill = self.clock()
 
-        # (b) the action expert reads the same slot: the hard deadline
-        noise = self.model.make_noise(cfg.seed + frame)
-        chunk = self.model.sample_actions(manager.arena, fp.slot, fp.prefix_len, noise)
-        chunk = self.robot.actions_out(chunk.float().cpu().numpy(), obs.robot_state)
-        self.queue.push(chunk, tick)
-        t_action = self.clock()
-        self.counters.action_late += int(t_action > deadline)
+        try:
+            # (b) the action expert reads the same slot: the hard deadline
+            noise = self.model.make_noise(cfg.seed + frame)
+            chunk = self.model.sample_actions(manager.arena, fp.slot, fp.prefix_len, noise)
+            chunk = self.robot.actions_out(chunk.float().cpu().numpy(), obs.robot_state)
+            self.queue.push(chunk, tick)
+            t_action = self.clock()
+            self.counters.action_late += int(t_action > deadline)
 
-        # language tasks of this frame continue from the same prefix
-        for task in self.policy.tasks_for(frame):
-            suffix = self.model.tokenizer.encode(task.suffix, bos=False) if task.suffix else None
-            manager.create(
-                fp, task.request_id, task.kind, task.max_new_tokens, suffix, task.optional
-            )
-        manager.end_frame(fp)
+            # language tasks of this frame continue from the same prefix (admission.py)
+            events = admit(manager, self.policy, fp, self.model.tokenizer)
+        finally:
+            manager.end_frame(fp)  # also when the cycle fails: the frame slot never leaks
 
         # (c) batched decode for the time that is left
         steps = self._decode_until(deadline)
 
         # (d) text out; finished slots back to the arena
-        events = self._emit()
+        events += self._emit()
         t_end = self.clock()
         self.counters.cycles += 1
         self.counters.overruns += int(t_end > deadline)
@@ -127,18 +120,24 @@ class FrameLoop:
 
     def _decode_until(self, deadline: float) -> int:
         steps, cap = 0, self.cfg.max_decode_steps
+        # One slow step (a load spike) must not stop language for good: its estimate only
+        # changes when a step runs, so after STARVE_CYCLES cycles without one, one runs.
+        starving = self._starved >= STARVE_CYCLES
         while self.manager.live() and not (cap and steps >= cap):
             batch = len(self.manager.live())
             est = self.cost.estimate(batch)
             left = deadline - self.clock() - self.cfg.decode_margin_s
             # no estimate yet: risk one step only with more than half the period left
-            if left <= (est if est is not None else self.cfg.period_s / 2):
+            if left <= (est if est is not None else self.cfg.period_s / 2) and not (
+                starving and steps == 0
+            ):
                 self.counters.decode_deferred += 1
                 break
             t = self.clock()
             self.manager.decode_step()
             self.cost.update(batch, self.clock() - t)
             steps += 1
+        self._starved = self._starved + 1 if self.manager.live() and not steps else 0
         return steps
 
     def _emit(self) -> list[TextEvent]:
@@ -162,6 +161,8 @@ class FrameLoop:
             new,
             req.done,
             req.truncated,
+            Status.TRUNCATED if req.truncated else Status.OK,
+            req.reason,
         )
 
     def warmup(self, obs: Observation) -> None:

@@ -225,16 +225,24 @@ class ActionFlow(Scheduler):
             "counters": vars(self.counters).copy(),
         }
 
-    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    def check_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Everything load_state needs, checked first (a restore is staged, then swapped)."""
         if list(meta["ring"]) != self.ring:
             raise ValueError(f"capsule's ring {meta['ring']} != this pipeline's {self.ring}")
+        int(meta["rotation"])
+        for d in meta["flights"]:
+            if d["slot"] not in self.ring:
+                raise ValueError(f"a frame in flight in slot {d['slot']}, not in the ring")
+            int(d["frame"]), int(d["tick"]), list(d["tokens"])
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         now = self.clock()
         self.flights = [
             Flight(d["frame"], d["tick"], d["slot"], list(d["tokens"]), now, d["state"])
             for d in meta["flights"]
         ]
         self.rotation = int(meta["rotation"])
-        self.counters = PipeCounters(**meta["counters"])
+        # counters describe the process (diagnostics): a restore never rolls them back
 
 
 class Sequential(Scheduler):

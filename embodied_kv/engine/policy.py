@@ -1,11 +1,24 @@
 """Which language tasks a frame spawns: the same policy for the unified loop and the
-isolated baseline, so both see identical work."""
+isolated baseline, so both see identical work.
+
+The policy also owns admission: questions and plan requests wait in a bounded queue
+(a full queue refuses at once, with the reason), a frame admits as many as it has
+free slots for and defers the rest to a later frame, in arrival order. Request ids
+are `<kind>-<n>@<epoch>`: `n` counts per kind and is session state (a capsule carries
+it), `epoch` names the timeline (EpochTag: a process nonce and the number of
+restores in this process), so no two requests of any two timelines, restores or
+processes share an id.
+"""
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import torch
 
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kv.manager import TaskKind
@@ -22,12 +35,15 @@ class LoopConfig:
     decode_margin_s: float = 0.002  # slack kept before the deadline (s)
     cost_ema: float = 0.3  # weight of the newest decode-step time in the estimate
     seed: int = 0  # action noise of frame t is drawn with seed + t
+    max_pending: int = 16  # questions + plan requests waiting for a slot; more are refused
 
     def __post_init__(self):
         if self.period_s <= 0 or self.narrate_every < 0 or self.max_decode_steps < 0:
             raise ValueError(f"bad loop config: {self}")
         if min(self.narration_tokens, self.answer_tokens) < 1:
             raise ValueError(f"token budgets must be >= 1: {self}")
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending={self.max_pending} must be >= 1")
 
 
 def arena_rows_needed(model: ModelConfig, loop: LoopConfig) -> int:
@@ -57,33 +73,137 @@ class TaskSpec:
     optional: bool  # may be skipped when no slot is free
 
 
+class QueueFull(ValueError):
+    """ask() refused a request: the pending queue is at max_pending."""
+
+
+PROCESS_NONCE = secrets.token_hex(3)  # tells this process's ids from every other's
+_TIMELINES = itertools.count(1)  # every new timeline of every engine of this process
+
+
+class EpochTag:
+    """The timeline part of request ids: `<process nonce>.<timeline>`. Not session
+    state: a restore (or an engine built again in this process) moves to a timeline
+    never used before. (Ids a capsule holds have counters below the ones it restores,
+    so they never repeat either.) Two policies that never advance share `.0`: the
+    benchmark's unified and isolated runners name the same requests alike."""
+
+    def __init__(self) -> None:
+        self.nonce = PROCESS_NONCE
+        self.count = 0
+
+    def __str__(self) -> str:
+        return f"{self.nonce}.{self.count}"
+
+    def advance(self) -> None:
+        self.count = next(_TIMELINES)
+
+
 class LanguagePolicy:
-    """Narration every Nth frame; questions from outside become answer requests of the
-    next frame; plan requests carry their own prompt text (the memory)."""
+    """Narration every Nth frame; questions from outside become answer requests of a
+    later frame; plan requests carry their own prompt text (the memory)."""
 
     def __init__(self, cfg: LoopConfig):
         self.cfg = cfg
+        self.epoch = EpochTag()
         self._asked: deque[TaskSpec] = deque()
+        self._next = {TaskKind.ANSWER: 1, TaskKind.PLAN: 1}  # session state: per-kind counters
         self._lock = threading.Lock()
 
-    def ask(self, request_id: str, text: str, kind: TaskKind = TaskKind.ANSWER) -> None:
+    def ask(self, text: str, kind: TaskKind = TaskKind.ANSWER) -> str:
+        """Queue a question (ANSWER) or a plan prompt (PLAN) -> its request id.
+        QueueFull (nothing queued) when max_pending requests already wait."""
+        request_id = self.next_id(kind)
+        self.enqueue(request_id, text, kind)
+        return request_id
+
+    def next_id(self, kind: TaskKind) -> str:
         if kind is TaskKind.NARRATION:
             raise ValueError("narrations come from the policy, not from ask()")
-        suffix = f"\nQuestion: {text}\nAnswer: " if kind is TaskKind.ANSWER else text
-        spec = TaskSpec(request_id, kind, suffix, self.cfg.answer_tokens, optional=False)
         with self._lock:
-            self._asked.append(spec)
+            n = self._next[kind]
+            self._next[kind] = n + 1
+        return f"{kind.value}-{n}@{self.epoch}"
 
-    def tasks_for(self, frame: int) -> list[TaskSpec]:
-        """Questions first (someone waits for them), then the optional narration."""
+    def enqueue(self, request_id: str, text: str, kind: TaskKind) -> None:
+        suffix = answer_suffix(text) if kind is TaskKind.ANSWER else text
         with self._lock:
-            tasks = list(self._asked)
-            self._asked.clear()
-        n = self.cfg.narrate_every
-        if n and frame % n == 0:
+            if len(self._asked) >= self.cfg.max_pending:
+                raise QueueFull(
+                    f"{len(self._asked)} requests already wait for a slot (max_pending="
+                    f"{self.cfg.max_pending})"
+                )
+            self._asked.append(
+                TaskSpec(request_id, kind, suffix, self.cfg.answer_tokens, optional=False)
+            )
+
+    def tasks_for(self, frame: int, capacity: int | None = None) -> list[TaskSpec]:
+        """Up to `capacity` tasks for this frame (None: all): waiting requests first, in
+        arrival order (someone waits for them), then the optional narration. Requests
+        beyond the capacity stay queued for a later frame."""
+        with self._lock:
+            n = len(self._asked) if capacity is None else min(capacity, len(self._asked))
+            tasks = [self._asked.popleft() for _ in range(n)]
+        every = self.cfg.narrate_every
+        if every and frame % every == 0:
             tasks.append(
                 TaskSpec(
-                    f"narration-{frame}", TaskKind.NARRATION, "", self.cfg.narration_tokens, True
+                    f"narration-{frame}@{self.epoch}",
+                    TaskKind.NARRATION,
+                    "",
+                    self.cfg.narration_tokens,
+                    True,
                 )
             )
         return tasks
+
+    def defer(self, tasks: list[TaskSpec]) -> None:
+        """Put required tasks back at the head of the queue, in their order."""
+        with self._lock:
+            self._asked.extendleft(reversed([t for t in tasks if not t.optional]))
+
+    def pending(self) -> list[TaskSpec]:
+        with self._lock:
+            return list(self._asked)
+
+    def take_pending(self) -> list[TaskSpec]:
+        with self._lock:
+            tasks = list(self._asked)
+            self._asked.clear()
+            return tasks
+
+    # -- capsule section (kv.capsule.Stateful): the queue and the id counters ----------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def state_meta(self) -> dict:
+        with self._lock:
+            return {
+                "pending": [{**asdict(t), "kind": t.kind.value} for t in self._asked],
+                "next": {k.value: n for k, n in self._next.items()},
+            }
+
+    def check_state(self, tensors: dict, meta: dict) -> None:
+        self._parse(meta)
+
+    def load_state(self, tensors: dict, meta: dict) -> None:
+        pending, counters = self._parse(meta)
+        with self._lock:
+            self._asked = deque(pending)
+            self._next = counters
+
+    @staticmethod
+    def _parse(meta: dict) -> tuple[list[TaskSpec], dict[TaskKind, int]]:
+        try:
+            pending = [TaskSpec(**{**d, "kind": TaskKind(d["kind"])}) for d in meta["pending"]]
+            counters = {TaskKind(k): int(n) for k, n in meta["next"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"policy section: {type(e).__name__}: {e}") from e
+        if set(counters) != {TaskKind.ANSWER, TaskKind.PLAN}:
+            raise ValueError(f"policy section: id counters {sorted(k.value for k in counters)}")
+        return pending, counters
+
+
+def answer_suffix(question: str) -> str:
+    return f"\nQuestion: {question}\nAnswer: "

@@ -3,32 +3,31 @@
 Each tier has a byte budget. Putting a capsule into a full tier demotes the least
 recently used unpinned capsules one tier down (gpu -> host -> disk); a full disk
 tier deletes its least recently used unpinned capsules. Pinned capsules never move.
-`get` promotes a capsule to the GPU tier when it fits.
+A capsule is in exactly one tier: promoting a disk capsule after a restore deletes
+its files (pin it on disk to keep it there across restarts).
 
-Disk format, per capsule: `<name>.safetensors` (tensors; metadata holds nothing
-executable) and `<name>.json` (format, digest, sha256 of the payload, meta). Both
-are written to temporary files and renamed, the manifest last; loading checks the
-format, the sha256 and the digest. No pickle anywhere.
+Every change is planned first (which capsule goes to which tier), then prepared
+(files written, tensors copied) and only then committed to the index: a failure while
+preparing removes what it wrote and leaves the store as it was.
+
+The disk format is kv/capsule_disk.py. On start the store reconciles the folder with
+its index: valid capsules are adopted (and count in the disk budget), everything else
+it wrote (orphan payloads, bad manifests, temporary files) is removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
-import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from embodied_kv.kv.capsule import FORMAT, Capsule, capsule_digest
+from embodied_kv.kv.capsule import Capsule
+from embodied_kv.kv.capsule_disk import NAME, DiskTier, check_name
 
 TIERS = ("gpu", "host", "disk")
-NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+__all__ = ["NAME", "TIERS", "CapsuleInfo", "CapsuleStore", "StoreConfig", "check_name"]
 
 
 @dataclass(frozen=True)
@@ -52,22 +51,35 @@ class CapsuleInfo:
     digest: str
 
 
+@dataclass
+class DiskCounters:
+    adopted: int = 0  # capsules found on disk at start and indexed
+    removed: int = 0  # files removed at start (orphans, bad manifests, temporary files)
+    corrupted: int = 0  # capsules whose payload failed its checks on load (files removed)
+    evicted: int = 0  # capsules deleted from a full tier
+
+
 class CapsuleStore:
     def __init__(self, cfg: StoreConfig, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.device = torch.device(device)
         self._caps: dict[str, Capsule] = {}
         self._clock = 0
-        self.evicted = 0  # capsules deleted from a full disk tier
-        self.disk_dir = Path(cfg.disk_dir) if cfg.disk_dir else None
-        if self.disk_dir is not None:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
-            self._scan_disk()
+        self.counters = DiskCounters()
+        self.disk = DiskTier(Path(cfg.disk_dir)) if cfg.disk_dir else None
+        self.disk_dir = self.disk.folder if self.disk is not None else None
+        if self.disk is not None:
+            self._reconcile_disk()
+
+    @property
+    def evicted(self) -> int:
+        return self.counters.evicted
 
     # -- verbs -----------------------------------------------------------------------
 
-    def put(self, capsule: Capsule, tier: str = "gpu", pin: bool = False) -> CapsuleInfo:
-        """Store under capsule.name (replacing one of that name) in `tier`."""
+    def put(self, capsule: Capsule, tier: str = "gpu", pin: bool = False) -> None:
+        """Store under capsule.name (replacing one of that name) in `tier`; on failure the
+        store is unchanged (the old capsule of that name included). info() describes it."""
         check_name(capsule.name)
         self._check_tier(tier)
         if pin and capsule.nbytes > self._budget(tier):
@@ -75,91 +87,161 @@ class CapsuleStore:
                 f"pinned capsule {capsule.name!r} ({capsule.nbytes} B) exceeds the {tier} "
                 f"budget ({self._budget(tier)} B)"
             )
-        if capsule.name in self._caps:
-            self.delete(capsule.name)
-        capsule = dataclasses.replace(capsule, tensors=dict(capsule.tensors), pinned=pin)
-        self._touch(capsule)
-        self._place(capsule, tier)
-        return self.info(capsule.name)
+        new = dataclasses.replace(capsule, tensors=dict(capsule.tensors), pinned=pin, tier=tier)
+        self._clock += 1
+        new.last_used = self._clock
+        self._change(new, tier)
+
+    def load(self, name: str) -> Capsule:
+        """The capsule with its tensors (read and verified from disk for the disk tier),
+        without changing the store. A disk capsule that fails its checks is removed
+        (index and files) and ValueError says why: it can never be restored."""
+        cap = self._lookup(name)
+        if cap.tier != "disk":
+            return cap
+        try:
+            tensors = self._read(cap)
+        except ValueError:
+            self._forget(name)
+            self._unlink(name)
+            self.counters.corrupted += 1
+            raise
+        return dataclasses.replace(cap, tensors={k: to_host(v) for k, v in tensors.items()})
+
+    def used(self, loaded: Capsule) -> bool:
+        """After a restore from `loaded` (what load() returned): mark it recently used and
+        promote it to the GPU tier if it fits. Best effort: False (store unchanged) when
+        the promotion could not be done."""
+        cap = self._caps.get(loaded.name)
+        if cap is None:
+            return False
+        self._clock += 1
+        cap.last_used = self._clock
+        if cap.tier == "gpu" or cap.pinned or cap.nbytes > self.cfg.gpu_bytes:
+            return True
+        moved = dataclasses.replace(cap, tensors=dict(loaded.tensors))
+        try:
+            self._change(moved, "gpu")
+        except (OSError, RuntimeError, ValueError):
+            return False
+        return True
 
     def get(self, name: str) -> Capsule:
-        """The capsule with its tensors loaded, promoted to the GPU tier if it fits."""
-        cap = self._lookup(name)
-        self._touch(cap)
-        if cap.tier == "disk":
-            try:
-                cap.tensors = self._read(name)
-            except ValueError:
-                self._forget(name)
-                raise
-            cap.tier = "host"
-            cap.tensors = {k: to_host(v) for k, v in cap.tensors.items()}
-            self._evict_to_fit("host", keep=cap)
-        if cap.tier != "gpu" and not cap.pinned and cap.nbytes <= self.cfg.gpu_bytes:
-            self._move(cap, "gpu")
-            self._evict_to_fit("gpu", keep=cap)
-        return cap
+        """load() then used(): the capsule with its tensors, promoted when it fits."""
+        loaded = self.load(name)
+        self.used(loaded)
+        cap = self._caps.get(name)
+        return cap if cap is not None and cap.tier != "disk" else loaded
 
     def delete(self, name: str) -> None:
         cap = self._lookup(name)
+        self._forget(name)
         if cap.tier == "disk":
             self._unlink(name)
-        self._forget(name)
+
+    # Readers (listing, diagnostics) may run beside the engine cycle's history
+    # snapshots: they read a copy of the index, and a capsule's digest is set before
+    # it can lose its tensors to the disk tier.
 
     def info(self, name: str) -> CapsuleInfo:
-        c = self._lookup(name)
-        return CapsuleInfo(c.name, c.tier, c.nbytes, c.pinned, c.digest)
+        return describe(self._lookup(name))
 
     def list(self) -> list[CapsuleInfo]:
-        return [self.info(n) for n in sorted(self._caps)]
+        return [describe(c) for c in sorted(list(self._caps.values()), key=lambda c: c.name)]
+
+    def names(self) -> list[str]:
+        return sorted(list(self._caps))
 
     def bytes_by_tier(self) -> dict[str, int]:
         used = dict.fromkeys(TIERS, 0)
-        for c in self._caps.values():
+        for c in list(self._caps.values()):
             used[c.tier] += c.nbytes
         return used
 
     def __contains__(self, name: str) -> bool:
         return name in self._caps
 
-    # -- tiers -----------------------------------------------------------------------
+    # -- planned changes ---------------------------------------------------------------
 
-    def _place(self, cap: Capsule, tier: str) -> None:
-        if tier == "disk":
-            self._write(cap)
-            cap.tensors, cap.tier = {}, "disk"
-        else:
-            self._move(cap, tier)
-        self._caps[cap.name] = cap
-        self._evict_to_fit(tier, keep=cap)
+    def _change(self, new: Capsule, tier: str) -> None:
+        """Put `new` (replacing its name) into `tier`, demoting or evicting others as the
+        budgets say: plan, prepare (may fail: undone), commit (cannot fail)."""
+        caps = {n: c for n, c in self._caps.items() if n != new.name}
+        caps[new.name] = new
+        old = self._caps.get(new.name)
+        current = {n: c.tier for n, c in caps.items()}
+        current[new.name] = "new"  # always prepared: written or copied into its tier
+        target = self._plan(caps, {**current, new.name: tier}, new)
 
-    def _move(self, cap: Capsule, tier: str) -> None:
-        conv = (lambda t: t.to(self.device, non_blocking=True)) if tier == "gpu" else to_host
-        cap.tensors = {k: conv(v) for k, v in cap.tensors.items()}
-        cap.tier = tier
-
-    def _evict_to_fit(self, tier: str, keep: Capsule) -> None:
-        """Demote (or, on disk, delete) LRU unpinned capsules until `tier` fits."""
-        while self.bytes_by_tier()[tier] > self._budget(tier):
-            victims = [
-                c for c in self._caps.values() if c.tier == tier and not c.pinned and c is not keep
-            ]
-            if not victims:
-                victims = [keep] if not keep.pinned and keep.tier == tier else []
-            if not victims:
-                return  # only pinned capsules left: the budget is advisory for them
-            v = min(victims, key=lambda c: c.last_used)
-            if tier == "disk":
-                self.delete(v.name)
-                self.evicted += 1
-            else:
-                lower = TIERS[TIERS.index(tier) + 1]
-                if lower == "disk" and self.disk_dir is None:
-                    self.delete(v.name)
-                    self.evicted += 1
+        written: list[str] = []
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        # the new capsule last: once its files replace an old one's, nothing else can fail
+        order = sorted(target, key=lambda n: n == new.name)
+        try:
+            for n in order:
+                t = target[n]
+                if t is None or t == current[n]:
+                    continue
+                if t == "disk":
+                    self._write(caps[n])
+                    written.append(n)
                 else:
-                    self._caps.pop(v.name)
-                    self._place(v, lower)
+                    tensors[n] = self._convert(caps[n].tensors, t)
+        except BaseException:
+            for n in written:  # the new capsule's write is last: never among these
+                self._unlink(n)
+            raise
+
+        # commit: index and files follow the plan
+        if old is not None and old.tier == "disk" and target[new.name] != "disk":
+            self._unlink(new.name)
+        for n, t in target.items():
+            cap = caps[n]
+            if t is None:
+                self._forget(n)
+                if current[n] == "disk":
+                    self._unlink(n)
+                self.counters.evicted += 1
+                continue
+            was_disk = current[n] == "disk"
+            if t == "disk":
+                cap.tensors = {}
+            elif n in tensors:
+                cap.tensors = tensors[n]
+            cap.tier = t
+            self._caps[n] = cap
+            if was_disk and t != "disk":
+                self._unlink(n)
+
+    def _plan(
+        self, caps: dict[str, Capsule], tiers: dict[str, str], keep: Capsule
+    ) -> dict[str, str | None]:
+        """Final tier of every capsule (None: deleted) once every budget fits: the LRU
+        unpinned capsule of a full tier moves one tier down (`keep` only if nothing
+        else can); a full disk tier (or host without one) deletes."""
+        tiers = dict(tiers)
+        for tier in TIERS:
+            while sum(caps[n].nbytes for n, t in tiers.items() if t == tier) > self._budget(tier):
+                victims = [
+                    caps[n]
+                    for n, t in tiers.items()
+                    if t == tier and not caps[n].pinned and n != keep.name
+                ]
+                if not victims and not keep.pinned and tiers[keep.name] == tier:
+                    victims = [keep]
+                if not victims:
+                    break  # only pinned capsules left: the budget is advisory for them
+                v = min(victims, key=lambda c: c.last_used)
+                lower = TIERS[TIERS.index(tier) + 1] if tier != "disk" else None
+                if lower == "disk" and self.disk_dir is None:
+                    lower = None
+                tiers[v.name] = lower
+        return tiers
+
+    def _convert(self, tensors: dict[str, torch.Tensor], tier: str) -> dict[str, torch.Tensor]:
+        if tier == "gpu":
+            return {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+        return {k: to_host(v) for k, v in tensors.items()}
 
     def _budget(self, tier: str) -> int:
         return {
@@ -180,98 +262,45 @@ class CapsuleStore:
             raise ValueError(f"unknown capsule {name!r} (known: {known})")
         return self._caps[name]
 
-    def _touch(self, cap: Capsule) -> None:
-        self._clock += 1
-        cap.last_used = self._clock
-
     def _forget(self, name: str) -> None:
         self._caps.pop(name, None)
 
-    # -- disk ------------------------------------------------------------------------
-
-    def _paths(self, name: str) -> tuple[Path, Path]:
-        return self.disk_dir / f"{name}.safetensors", self.disk_dir / f"{name}.json"
+    # -- disk --------------------------------------------------------------------------
 
     def _write(self, cap: Capsule) -> None:
-        payload, manifest = self._paths(cap.name)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in cap.tensors.items()}
-        tmp = atomic_tmp(payload)
-        save_file(tensors, tmp)
-        sha = file_sha256(tmp)
-        os.replace(tmp, payload)
-        doc = {
-            "format": FORMAT,
-            "name": cap.name,
-            "digest": cap.digest,
-            "sha256": sha,
-            "nbytes": cap.nbytes,
-            "pinned": cap.pinned,
-            "meta": cap.meta,
-        }
-        tmp = atomic_tmp(manifest)
-        Path(tmp).write_text(json.dumps(doc, sort_keys=True))
-        os.replace(tmp, manifest)
+        self.disk.write(cap)
 
-    def _read_manifest(self, name: str) -> dict:
-        _, manifest = self._paths(name)
-        try:
-            doc = json.loads(manifest.read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"capsule {name!r} on disk: unreadable manifest ({e})") from e
-        if doc.get("format") != FORMAT or doc.get("name") != name:
-            raise ValueError(f"capsule {name!r} on disk: format {doc.get('format')!r} != {FORMAT}")
-        if capsule_digest(doc["meta"]) != doc["digest"]:
-            raise ValueError(f"capsule {name!r} on disk: manifest digest does not match its meta")
-        return doc
-
-    def _read(self, name: str) -> dict[str, torch.Tensor]:
-        doc = self._read_manifest(name)
-        payload, _ = self._paths(name)
-        if not payload.exists() or file_sha256(payload) != doc["sha256"]:
-            raise ValueError(
-                f"capsule {name!r} on disk is truncated or corrupted (sha256 mismatch)"
-            )
-        return load_file(str(payload))
+    def _read(self, cap: Capsule) -> dict[str, torch.Tensor]:
+        return self.disk.read(cap.name, cap.digest)
 
     def _unlink(self, name: str) -> None:
-        for p in self._paths(name):
-            p.unlink(missing_ok=True)
+        if self.disk is not None:
+            self.disk.unlink(name)
 
-    def _scan_disk(self) -> None:
-        """Index capsules a previous run left on disk (manifests only; payloads on demand)."""
-        for manifest in sorted(self.disk_dir.glob("*.json")):
-            name = manifest.stem
-            try:
-                check_name(name)
-                doc = self._read_manifest(name)
-            except ValueError:
-                continue
-            self._caps[name] = Capsule(
-                name, {}, doc["meta"], doc["digest"], doc["nbytes"], "disk", doc["pinned"]
-            )
+    def _reconcile_disk(self) -> None:
+        """Index the capsules a previous run left on disk (DiskTier.scan removed what
+        cannot be one), oldest first for LRU; then the disk budget holds."""
+        found, removed = self.disk.scan()
+        self.counters.removed += removed
+        for cap in found:
+            self._clock += 1
+            cap.last_used = self._clock
+            self._caps[cap.name] = cap
+            self.counters.adopted += 1
+        target = self._plan(self._caps, {n: c.tier for n, c in self._caps.items()}, _NOBODY)
+        for name, tier in target.items():
+            if tier is None:
+                self.delete(name)
+                self.counters.evicted += 1
 
 
-def check_name(name: str) -> None:
-    if not isinstance(name, str) or not NAME.match(name):
-        raise ValueError(
-            f"bad capsule name {name!r}: use 1-128 of [A-Za-z0-9_.-], not starting with '.'"
-        )
+_NOBODY = Capsule("", {}, {}, 0, pinned=True)  # a `keep` that keeps nothing
+
+
+def describe(c: Capsule) -> CapsuleInfo:
+    return CapsuleInfo(c.name, c.tier, c.nbytes, c.pinned, c.digest)
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().to("cpu")
     return t.pin_memory() if torch.cuda.is_available() else t
-
-
-def atomic_tmp(path: Path) -> str:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    return tmp
-
-
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()

@@ -10,8 +10,10 @@ retrieved as one batch, decoded in one packed step, updated and released.
     answer of t gets slot 5 = copy of [prefix(t)] | question | tok tok ...
 
 Running out of slots is policy, never an exception on the hot path: a frame that
-finds no slot ends the oldest request early (`truncated`); a narration that finds
-none is skipped and counted.
+finds no slot ends the oldest request early (`truncated`). Requests are admitted
+only into a free slot with their whole prompt (`create` returns None otherwise: the
+caller defers or skips them), so no request ever decodes over a cut or empty prefix.
+Every request ends with a status (`Status`) and, unless `ok`, a reason.
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class TaskKind(enum.Enum):
     NARRATION = "narration"
     ANSWER = "answer"
     PLAN = "plan"
+
+
+class Status(enum.Enum):
+    """How a request ended (TextChunk.STATUS_*): decoded to EOS or its budget, ended
+    early (slot taken by a frame, length), never admitted, or dropped by a restore."""
+
+    OK = "ok"
+    TRUNCATED = "truncated"
+    REFUSED = "refused"
+    CANCELLED = "cancelled"
 
 
 @dataclass
@@ -56,6 +68,7 @@ class Request:
     emitted: int = 0  # tokens already reported as text
     done: bool = False
     truncated: bool = False  # ended early (slots, length limit), not by EOS or budget
+    reason: str = ""  # why it was truncated
     generator: torch.Generator | None = None  # temperature sampling; None = greedy
     temperature: float = 1.0
 
@@ -67,6 +80,8 @@ class ManagerCounters:
     finished: int = 0
     truncated: int = 0
     narrations_skipped: int = 0  # no slot for an optional task
+    deferred: int = 0  # frames a waiting question / plan was not admitted in (no free slot)
+    refused: int = 0  # tasks whose prompt could not be admitted (reason on their event)
     prompts_truncated: int = 0  # instruction longer than max_text_tokens
     decode_steps: int = 0
     tokens: int = 0
@@ -91,9 +106,14 @@ class KVCacheManager:
         every slot is taken (the action deadline outranks language)."""
         slot = self.arena.allocate()
         if slot is None:
-            self.truncate(self._oldest_holding_slot())
+            oldest = self._oldest_holding_slot()
+            if oldest is None:
+                raise RuntimeError(
+                    f"no free slot for frame {frame}: all {self.arena.spec.num_slots} slots are "
+                    "held outside the manager (fork branches?)"
+                )
+            self.truncate(oldest, f"slot taken by the prefill of frame {frame}")
             slot = self.arena.allocate()
-            assert slot is not None
         self.counters.frames += 1
         self.counters.prompts_truncated += int(prefix.prompt_truncated)
         logits = self.model.prefill(self.arena, slot, prefix)
@@ -113,29 +133,34 @@ class KVCacheManager:
         kind: TaskKind,
         max_new_tokens: int,
         suffix_ids: list[int] | None = None,
-        optional: bool = False,
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
     ) -> Request | None:
         """A request continuing from the frame's prefix, plus `suffix_ids` (a question).
 
-        Returns None when it is `optional` and no slot is free (counted); a required
-        request ends the oldest live request early instead."""
+        The first request of a frame adopts the frame's slot; later ones get a free slot
+        with a byte copy. None when no slot is free (the caller defers or skips it: a
+        request never takes a slot from another one). ValueError when the prompt and
+        the token budget do not fit the slot: a prompt is never cut."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        suffix = list(suffix_ids or [])
+        need = fp.prefix_len + len(suffix) + max_new_tokens  # rows written stay below it
+        if need >= self.arena.spec.max_len:
+            raise ValueError(
+                f"request {request_id}: prefix {fp.prefix_len} + prompt {len(suffix)} + "
+                f"{max_new_tokens} new tokens = {need} rows > slot of {self.arena.spec.max_len}"
+            )
         if fp.adopted:
-            slot = self._slot_for(optional)
+            slot = self.arena.allocate()
             if slot is None:
-                self.counters.narrations_skipped += 1
                 return None
             self.arena.copy_slot(fp.slot, slot)
         else:
             slot, fp.adopted = fp.slot, True
-        room = self.arena.spec.max_len - fp.prefix_len - 1
-        suffix = list(suffix_ids or [])[: max(room - 1, 0)]
-        req = Request(request_id, kind, fp.frame, slot, min(max_new_tokens, room - len(suffix)), [])
+        req = Request(request_id, kind, fp.frame, slot, max_new_tokens, [])
         req.generator, req.temperature = generator, temperature
         if suffix:
             req.pending = suffix
@@ -144,18 +169,6 @@ class KVCacheManager:
         self.requests[request_id] = req
         self.counters.requests += 1
         return req
-
-    def _slot_for(self, optional: bool) -> int | None:
-        slot = self.arena.allocate()
-        if slot is None and not optional:
-            oldest = self._oldest_holding_slot()
-            if oldest is not None:
-                self.truncate(oldest)
-                slot = self.arena.allocate()
-        return slot
-
-    def _oldest_holding_slot(self) -> Request | None:
-        return next((r for r in self.requests.values() if r.slot is not None), None)
 
     def live(self) -> list[Request]:
         return [r for r in self.requests.values() if not r.done]
@@ -210,11 +223,11 @@ class KVCacheManager:
         req.pending = []
         self.counters.finished += 1
 
-    def truncate(self, req: Request) -> None:
+    def truncate(self, req: Request, reason: str) -> None:
         """End a request early and free its slot now; the record (and its text so far)
         stays until `release`, so the consumer still sees the final event."""
         if not req.done:
-            req.truncated = True
+            req.truncated, req.reason = True, reason
             self.counters.truncated += 1
             self._finish(req)
         self._free_slot(req)

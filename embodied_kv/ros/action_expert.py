@@ -82,7 +82,7 @@ class ActionExpertNode(EmbodiedNode):
         self._action_pub.publish(self._action_msg)
 
     def _publish_chunk(self, result: CycleResult, tick: int) -> None:
-        if result.chunk is None:  # ar mode: the pipeline is still filling
+        if result.chunk is None:  # ar mode: the pipeline is still filling; or held
             return
         clock = self.host.clock
         if result.chunk_tick is not None:  # ar mode: the chunk starts at its observation

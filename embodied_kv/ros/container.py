@@ -87,8 +87,22 @@ def _progress(line: str) -> None:
     print(f"embodied_kv: {line}", flush=True)
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM (e.g. from launch after SIGINT) shuts down cleanly too
+class StopSignal:
+    """SIGINT / SIGTERM in any number and order (`ros2 launch` escalates SIGINT to
+    SIGTERM within milliseconds) only ask for a stop: the main thread sees the flag,
+    brings every node down once and exits 0. Nothing is raised inside a shutdown."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.count = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        self.event.set()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGTERM, self)
 
 
 def bring_up(nodes: Sequence[EmbodiedNode]) -> str | None:
@@ -117,10 +131,13 @@ def _spin(executor: SingleThreadedExecutor) -> None:
         pass
 
 
-def _wait(context: rclpy.context.Context, seconds: float | None) -> None:
+def _wait(context: rclpy.context.Context, seconds: float | None, stop: threading.Event) -> None:
     deadline = None if seconds is None else time.monotonic() + seconds
-    while context.ok() and (deadline is None or time.monotonic() < deadline):
-        time.sleep(0.05)
+    while context.ok() and not stop.is_set():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return
+        stop.wait(0.05 if left is None else min(0.05, left))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -134,14 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     params = params.with_overrides(preset=args.preset or None)
     autostart = params.common.get("autostart", True) if args.autostart is None else args.autostart
 
-    # Python's own SIGINT handling (KeyboardInterrupt in this thread) instead of
-    # rclpy's, which shuts the context down at once: the nodes then get a clean
-    # deactivate + cleanup (later: freeing GPU memory) before the context goes.
+    # Our own signal handling instead of rclpy's, which shuts the context down at once:
+    # the nodes then get a clean deactivate + cleanup (later: freeing GPU memory)
+    # before the context goes. Installed even where the parent ignores SIGINT (a
+    # shell's background job).
+    stop = StopSignal()
     with rclpy.init(args=["robot", *argv], signal_handler_options=SignalHandlerOptions.NO) as init:
-        # Stop cleanly on SIGINT even where the parent ignores it (a shell's background
-        # job), and on SIGTERM (launch escalates to it).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _interrupt)
+        stop.install()
         try:
             nodes = make_nodes(params, EngineHost(progress=_progress))
         except Exception as e:  # e.g. a parameter of the wrong type in the config file
@@ -160,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spinner.start()
         status = 0
         try:
-            if autostart:
+            if autostart and not stop.event.is_set():
                 _progress(f"configuring {len(nodes)} nodes ({params.path}) ...")
                 failure = bring_up(nodes)
                 if failure is not None:
@@ -175,12 +191,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         flush=True,
                     )
             if status == 0:
-                _wait(init.context, args.demo_seconds)
-        except (KeyboardInterrupt, ExternalShutdownException):
+                _wait(init.context, args.demo_seconds, stop.event)
+        except (KeyboardInterrupt, ExternalShutdownException):  # a caller's own handler
             pass
         finally:
             if init.context.ok():
                 bring_down(nodes)
+            else:  # the context went first: still stop every thread before the handles go
+                for node in reversed(nodes):
+                    node.on_shutdown(None)
             executor.shutdown()
             spinner.join(EXECUTOR_JOIN_TIMEOUT_S)
             for node in nodes:

@@ -5,6 +5,9 @@ observation to the engine, runs `engine.cycle(tick)` (one prefill, the action ch
 into the queue, batched language decode until the cycle's deadline) and passes the
 result to the nodes (chunk and text topics). A cycle that starts late is stamped
 with the tick it really started at, so the ActionQueue places its chunk correctly.
+A cycle that fails is undone by the engine, counted and logged here, and the next
+one runs as usual; repeated failures put the engine in its safe state (engine/
+faults.py), logged once as an ERROR and reported on /diagnostics.
 """
 
 from __future__ import annotations
@@ -60,15 +63,17 @@ class CycleThread(Worker):
             start = max(tick, clock.now())
             self.counters.late_starts += int(start > tick)
             tick = start + every
-            obs = self._observation()
-            if obs is None:
-                self.counters.no_observation += 1
-                continue
             try:
+                obs = self._observation()
+                if obs is None:
+                    self.counters.no_observation += 1
+                    continue
                 self._cycle(obs, start)
             except Exception as e:  # logged; the action output keeps going on the queue
                 self.counters.errors += 1
                 self._log_error(f"engine cycle at tick {start}: {type(e).__name__}: {e}")
+                if self.engine.faults.safe:
+                    self._log_error(f"engine in its safe state: {self.engine.faults.safe_reason}")
 
     def _cycle(self, obs: Observation, tick: int) -> None:
         engine = self.engine
@@ -76,6 +81,9 @@ class CycleThread(Worker):
         engine.observe(obs)
         result = engine.cycle(tick)
         if result is None:
+            return
+        if result.chunk is None:  # held or safe: only final events of dropped requests
+            self._dispatch(result, tick)
             return
         tokens = max(0, engine.manager.counters.tokens - before)  # < 0 across a restore
         self.counters.cycles += 1

@@ -94,14 +94,14 @@ class Report:
                 prompt = f" {asked[i]!r} ->" if i < len(asked) else ""
                 state = "done" if c.done else "still streaming"
                 out.append(
-                    f"  [{c.request_id}]{prompt} {_short(c.text_so_far)} "
+                    f"  [{c.request_id.split('@')[0]}]{prompt} {_short(c.text_so_far)} "
                     f"({self.pieces.get(c.request_id, 0)} chunks, {state})"
                 )
         return out
 
 
 def _order(request_id: str) -> tuple[str, int]:
-    name, _, n = request_id.rpartition("-")
+    name, _, n = request_id.split("@")[0].rpartition("-")  # kind-<n>@<epoch>
     return (name, int(n)) if n.isdigit() else (request_id, 0)
 
 

@@ -19,10 +19,16 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
         return {"engine": (DiagnosticStatus.STALE, "not configured", {})}
     sections = {"action output": _output(host)}
 
-    cycles, loop = host.cycles.counters, engine.loop.counters
+    cycles, loop, faults = host.cycles.counters, engine.loop.counters, engine.faults
+    if faults.safe:  # repeated failures: the last action is held, language paused
+        level, message = DiagnosticStatus.ERROR, f"safe state: {faults.safe_reason}"
+    elif host.cycles.running:
+        level, message = DiagnosticStatus.OK, "held (goal cancelled)" if engine.held else "cycling"
+    else:
+        level, message = DiagnosticStatus.STALE, "stopped (action_expert inactive)"
     sections["engine"] = (
-        DiagnosticStatus.OK if host.cycles.running else DiagnosticStatus.STALE,
-        "cycling" if host.cycles.running else "stopped (action_expert inactive)",
+        level,
+        message,
         {
             "preset": cfg.preset,
             "device": cfg.device,
@@ -32,6 +38,10 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
             "chunks_after_deadline": loop.action_late,
             "cycle_overruns": loop.overruns,
             "cycle_errors": cycles.errors,
+            "cycle_failures": faults.failures,
+            "last_error": faults.last_error,
+            "safe_state_entries": faults.safe_entries,
+            "held": engine.held,
             "tokens_per_s": host.cycles.tokens_per_s(),
             "tokens": cycles.tokens,
             "live_requests": len(engine.manager.live()),
@@ -39,6 +49,7 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
             "action_mode": cfg.action_mode,
         },
     )
+    sections["language"] = _language(engine)
     if engine.action_tokens is not None:  # ar mode: invalid sequences became zeros
         sections["engine"][2].update(_ar(engine))
 
@@ -57,15 +68,18 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
         },
     )
 
-    tiers = engine.store.bytes_by_tier()
+    store = engine.store
+    tiers = store.bytes_by_tier()
     sections["capsules"] = (
         DiagnosticStatus.OK,
-        f"{len(engine.store.list())} capsules",
+        f"{len(store.names())} capsules",
         {
             **{f"{tier}_bytes": n for tier, n in tiers.items()},
             "gpu_budget_bytes": cfg.store.gpu_bytes,
             "host_budget_bytes": cfg.store.host_bytes,
             "disk_budget_bytes": cfg.store.disk_bytes,
+            "restores": engine.counters.restores,
+            **{f"disk_{k}": v for k, v in vars(store.counters).items()},
         },
     )
     rejected = dict(host.inputs_rejected)
@@ -100,6 +114,27 @@ def _output(host: EngineHost) -> tuple[bytes, str, dict]:
     )
 
 
+def _language(engine) -> tuple[bytes, str, dict]:
+    """Admission: every refusal, deferral, early end and cancellation is counted."""
+    m, s = engine.manager.counters, engine.counters
+    pending = len(engine.policy.pending())
+    return (
+        DiagnosticStatus.OK,
+        f"{len(engine.manager.live())} live, {pending} waiting",
+        {
+            "waiting": pending,
+            "max_pending": engine.cfg.max_pending,
+            "requests": m.requests,
+            "finished": m.finished,
+            "truncated": m.truncated,
+            "deferred": m.deferred,
+            "refused_queue_full": s.refused_queue_full,
+            "refused_too_long": s.refused_too_long + m.refused,
+            "cancelled": s.cancelled,
+            "narrations_skipped": m.narrations_skipped,
+            "instructions_truncated": m.prompts_truncated,
+        },
+    )
 def _ar(engine) -> dict:
     flow = engine.loop.flow
     return {

@@ -92,7 +92,7 @@ class KvManagerNode(EmbodiedNode):
 
     def _reset(self, request: Reset.Request, response: Reset.Response) -> None:
         name = request.name or EPISODE_START
-        response.restore_ms = self.engine.restore(name)
+        response.restore_ms = self.engine.reset(name)
         response.message = f"restored {name} in {response.restore_ms:.2f} ms"
         self.get_logger().info(f"reset: {response.message}")
 
@@ -102,7 +102,7 @@ class KvManagerNode(EmbodiedNode):
                 f"set exactly one of name ({request.name!r}) and steps_back ({request.steps_back})"
             )
         response.restore_ms = self.engine.rollback(request.name, request.steps_back)
-        target = request.name or f"{request.steps_back} cycle(s) back"
+        target = request.name or f"{request.steps_back} engine cycle(s) back"
         response.message = f"rolled back to {target} in {response.restore_ms:.2f} ms"
         self.get_logger().info(response.message)
 

@@ -1,14 +1,16 @@
 """The `language_expert` node: questions in, streamed text out.
 
-Each `question` (std_msgs/String) becomes an answer request `answer-<n>` of the next
-frame; the engine decodes it together with every other live request across frames
+Each `question` (std_msgs/String) becomes an answer request `answer-<n>@<epoch>`
+of a later frame (engine/policy.py: waiting in a bounded queue until a slot is
+free); the engine decodes it together with every other live request across frames
 (OxyGen continuous batching) and each cycle's new tokens are published as a
-TextChunk on `text` (narrations too), the last chunk of a request with done=true.
+TextChunk on `text` (narrations too), the last chunk of a request with done=true
+and its status. A question the engine refuses (queue full, too long for a slot)
+gets its one done chunk with STATUS_REFUSED and the reason at once.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 
 from std_msgs.msg import String
@@ -17,9 +19,10 @@ from embodied_kv.engine.frame_loop import CycleResult
 from embodied_kv.kv.manager import TaskKind
 from embodied_kv.msg import TextChunk
 from embodied_kv.ros.lifecycle_node import EmbodiedNode
-from embodied_kv.ros.messages import text_msg
+from embodied_kv.ros.messages import excerpt, text_msg
 
 KINDS = (TaskKind.ANSWER, TaskKind.NARRATION)
+QUEUE_DEPTH = 100  # a burst of questions reaches the engine's queue, which refuses with a reason
 
 
 class LanguageExpertNode(EmbodiedNode):
@@ -28,15 +31,14 @@ class LanguageExpertNode(EmbodiedNode):
     def __init__(self, **kwargs) -> None:
         self._pub = None
         self._sub = None
-        self._ids = itertools.count(1)
         super().__init__(self.NAME, **kwargs)
 
     def declare_node_parameters(self) -> None:
-        self.declare_parameter("max_question_chars", 400)
+        self.declare_parameter("max_question_chars", 120)
 
     def setup(self) -> None:
         self._pub = self.create_lifecycle_publisher(TextChunk, "text", 50)
-        self._sub = self.create_subscription(String, "question", self._on_question, 10)
+        self._sub = self.create_subscription(String, "question", self._on_question, QUEUE_DEPTH)
         self.host.listen(self.NAME, self._publish)
 
     def teardown(self) -> None:
@@ -51,17 +53,18 @@ class LanguageExpertNode(EmbodiedNode):
         if not self.active:
             self.reject("question", "language_expert is inactive; question ignored")
             return
+        if self.too_long("question", "question", msg.data, "max_question_chars"):
+            return
         text = msg.data.strip()
-        limit = self.param("max_question_chars")
         if not text:
             self.reject("question", "empty question ignored")
             return
-        if len(text) > limit:
-            self.reject("question", f"question of {len(text)} chars > max_question_chars={limit}")
+        request_id, refusal = self.engine.ask(text, TaskKind.ANSWER)
+        if refusal is not None:
+            self._pub.publish(text_msg(refusal, time.time_ns()))
+            self.reject("question", f"{request_id} refused: {refusal.reason}", refusal.reason)
             return
-        request_id = f"answer-{next(self._ids)}"
-        self.engine.ask(request_id, text, TaskKind.ANSWER)
-        self.get_logger().info(f"question {text!r} -> request {request_id}")
+        self.get_logger().info(f"question {excerpt(text)} -> request {request_id}")
 
     def _publish(self, result: CycleResult, tick: int) -> None:
         if not self.active:

@@ -10,6 +10,7 @@ in its previous state; a callback that fails logs why (STYLE 7).
 
 from __future__ import annotations
 
+import re
 import time
 
 from rcl_interfaces.msg import ParameterDescriptor
@@ -18,6 +19,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from embodied_kv.engine.engine import Engine
 from embodied_kv.ros.engine_host import EngineHost
 from embodied_kv.ros.engine_params import ENGINE_PARAMS, engine_config
+from embodied_kv.ros.messages import excerpt
 
 REJECT_LOG_EVERY_S = 2.0  # the same rejection reason is logged at most this often
 
@@ -130,14 +132,30 @@ class EmbodiedNode(LifecycleNode):
     def param(self, name: str):
         return self.get_parameter(name).value
 
-    def reject(self, kind: str, reason: str) -> None:
-        """A bad input: counted for /diagnostics and logged (each distinct reason at most
-        every REJECT_LOG_EVERY_S, so a stream of bad frames cannot flood the log)."""
+    def reject(self, kind: str, reason: str, key: str = "") -> None:
+        """A bad input: counted for /diagnostics and logged (each distinct reason, or
+        `key` when the reason quotes the input, at most every REJECT_LOG_EVERY_S, so a
+        stream of bad input cannot flood the log)."""
         self.host.inputs_rejected[kind] += 1
         now = time.monotonic()
-        if now - self._rejections.get(reason, -REJECT_LOG_EVERY_S) >= REJECT_LOG_EVERY_S:
-            self._rejections[reason] = now
+        key = re.sub(r"\d+", "#", key or reason)  # counts in a reason do not make it new
+        if now - self._rejections.get(key, -REJECT_LOG_EVERY_S) >= REJECT_LOG_EVERY_S:
+            self._rejections[key] = now
             self.get_logger().warning(f"rejected {kind}: {reason}")
+
+    def too_long(self, kind: str, what: str, text: str, param: str, after: str = "") -> bool:
+        """True, with the input rejected, when `text` is longer than the node parameter
+        `param` (a length limit from the YAML): checked before any other work on the
+        text, logged with a short excerpt only."""
+        limit = self.param(param)
+        if len(text) <= limit:
+            return False
+        self.reject(
+            kind,
+            f"{what} of {len(text)} chars > {param}={limit}: {excerpt(text)}{after}",
+            key=f"{what} over {param}",
+        )
+        return True
 
     def _release(self) -> None:
         self._quietly(self.teardown, "cleanup")

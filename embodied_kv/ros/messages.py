@@ -13,8 +13,8 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from std_msgs.msg import Float64MultiArray, Header, MultiArrayDimension
 from trajectory_msgs.msg import JointTrajectory, JointTrajectoryPoint
 
-from embodied_kv.engine.frame_loop import TextEvent
-from embodied_kv.kv.manager import TaskKind
+from embodied_kv.engine.events import TextEvent
+from embodied_kv.kv.manager import Status, TaskKind
 from embodied_kv.msg import TextChunk
 
 TASKS = {
@@ -22,6 +22,13 @@ TASKS = {
     TaskKind.ANSWER: TextChunk.TASK_ANSWER,
     TaskKind.PLAN: TextChunk.TASK_PLAN,
 }
+STATUSES = {
+    Status.OK: TextChunk.STATUS_OK,
+    Status.TRUNCATED: TextChunk.STATUS_TRUNCATED,
+    Status.REFUSED: TextChunk.STATUS_REFUSED,
+    Status.CANCELLED: TextChunk.STATUS_CANCELLED,
+}
+EXCERPT_CHARS = 60  # how much of a rejected text a log line quotes
 
 
 def time_msg(ns: int) -> Time:
@@ -61,7 +68,15 @@ def text_msg(event: TextEvent, stamp_ns: int) -> TextChunk:
         text_so_far=event.text,
         new_text=event.new_text,
         done=event.done,
+        status=STATUSES[event.status],
+        reason=event.reason,
     )
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """A short, one-line quote of client text for a log line (never the whole of it)."""
+    head = text[:limit].encode("unicode_escape").decode("ascii")[:limit]
+    return repr(head + ("..." if len(text) > limit else ""))
 
 
 def diagnostics_msg(

@@ -9,7 +9,8 @@ Observation to `engine.observe` and prefills it once for every task of that fram
 converted on the ImageConverter thread (image_worker.py). Bad input is rejected with a
 logged reason and changes nothing; input that arrives while the node is inactive is
 ignored. The state is the positions of `joint_names`, in robot units: the engine
-normalises it (model/action_space.py).
+normalises it (model/action_space.py). The node also serves the action `~/execute`
+(ros/execute.py): a task as a goal.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
 from std_msgs.msg import String
 
+from embodied_kv.ros.execute import ExecuteServer
 from embodied_kv.ros.image import ImageLimits, check_header, message_to_input
 from embodied_kv.ros.image_worker import ImageConverter
 from embodied_kv.ros.lifecycle_node import EmbodiedNode
+from embodied_kv.ros.messages import excerpt
 from embodied_kv.ros.observation import ObservationBuffer
 
 DEFAULT_CAMERAS = ["front", "wrist"]
@@ -58,6 +61,7 @@ class PrefillNode(EmbodiedNode):
     def __init__(self, **kwargs) -> None:
         self.buffer: ObservationBuffer | None = None
         self.converter: ImageConverter | None = None
+        self.execute: ExecuteServer | None = None
         self.limits = ImageLimits()
         self._subs: list = []
         self._joints: list[str] = []
@@ -105,6 +109,8 @@ class PrefillNode(EmbodiedNode):
             )
         )
         self.host.observation = self.buffer.observation
+        limit = self.param("max_instruction_chars")
+        self.execute = ExecuteServer(self, self.buffer.set_instruction, limit)
         listed = ", ".join(f"{n} <- {t}" + (" (compressed)" if c else "") for n, t, c in cameras)
         self.get_logger().info(
             f"cameras {listed}; model input {cfg.num_cameras} x {cfg.vision.image_size}px; "
@@ -113,11 +119,16 @@ class PrefillNode(EmbodiedNode):
 
     def start(self) -> None:
         self.converter.start()
+        self.execute.start()
 
     def stop(self) -> None:
+        self.execute.stop()
         self.converter.stop()
 
     def teardown(self) -> None:
+        if self.execute is not None:
+            self.execute.destroy()
+        self.execute = None
         if self.converter is not None:
             self.converter.stop()
         self.converter = None
@@ -143,19 +154,15 @@ class PrefillNode(EmbodiedNode):
     def _on_instruction(self, msg: String) -> None:
         if not self.active:
             return
+        keep = "; the previous one stays"
+        if self.too_long("instruction", "instruction", msg.data, "max_instruction_chars", keep):
+            return
         text = msg.data.strip()
-        limit = self.param("max_instruction_chars")
         if not text:
             self.reject("instruction", "empty instruction; the previous one stays")
-        elif len(text) > limit:
-            self.reject(
-                "instruction",
-                f"instruction of {len(text)} chars > max_instruction_chars={limit}; "
-                "the previous one stays",
-            )
         else:
             self.buffer.set_instruction(text)
-            self.get_logger().info(f"instruction: {text!r}")
+            self.get_logger().info(f"instruction: {excerpt(text)}")
 
     def _on_joint_states(self, msg: JointState) -> None:
         if not self.active:

@@ -5,6 +5,7 @@ import torch
 
 from embodied_kv.engine.engine import EPISODE_START, Engine, EngineConfig
 from embodied_kv.kv.capsule_store import StoreConfig
+from embodied_kv.kv.manager import Status
 from embodied_kv.model.synthetic import synthetic_observation
 
 
@@ -28,19 +29,29 @@ def episode_obs(model, episode, n):
     ]
 
 
+def base_id(request_id):
+    """`narration-3@<epoch>` -> `narration-3`: a replay runs in a new epoch (timeline)."""
+    return request_id.split("@")[0]
+
+
 def run_cycles(engine, observations, first_tick=0):
-    """-> (chunks, texts of requests finished on the way)"""
+    """-> (chunks, texts of requests finished on the way, by id without the epoch)"""
     chunks, texts = [], {}
     for i, obs in enumerate(observations):
         engine.observe(obs)
         res = engine.cycle(first_tick + 5 * i)
         chunks.append(res.chunk)
-        texts.update({e.request_id: e.text for e in res.events if e.done})
+        texts.update({base_id(e.request_id): e.text for e in res.events if finished(e)})
     return chunks, texts
 
 
+def finished(event):
+    """Done by decoding (ok or truncated), not dropped by a restore."""
+    return event.done and event.status is not Status.CANCELLED
+
+
 def drain(engine):
-    return {e.request_id: e.text for e in engine.loop.finish_all() if e.done}
+    return {base_id(e.request_id): e.text for e in engine.loop.finish_all() if finished(e)}
 
 
 def live_bytes(engine):
@@ -252,11 +263,15 @@ def test_corrupted_disk_capsule_is_refused_and_store_keeps_working(tiny_model, t
     with pytest.raises(ValueError, match="truncated or corrupted"):
         e.restore("bad")
     assert "bad" not in e.store
-    e.restore("good")
-    manifest = tmp_path / "capsules" / "good.json"
+    assert not (tmp_path / "capsules" / "bad.safetensors").exists()  # its files went too
+    e.snapshot("edited", "disk")
+    manifest = tmp_path / "capsules" / "edited.json"
     manifest.write_text(manifest.read_text().replace('"frame"', '"frome"'))
-    fresh = make_engine(tiny_model, tmp_path)  # scans the folder: the edited one is skipped
-    assert "good" not in fresh.store
+    fresh = make_engine(tiny_model, tmp_path)  # adopts what looks like a capsule ...
+    with pytest.raises(ValueError, match="digest"):
+        fresh.restore("edited")  # ... and refuses it when its bytes do not match
+    assert "edited" not in fresh.store and not manifest.exists()
+    e.restore("good")
 
 
 def test_budgets_demote_lru_and_never_pinned(tiny_model, tmp_path):
@@ -286,4 +301,4 @@ def test_budgets_demote_lru_and_never_pinned(tiny_model, tmp_path):
     assert sum(1 for c in e.store.list()) == 4
     small = CapsuleStore(StoreConfig(host_bytes=size // 2), e.model.device)
     with pytest.raises(ValueError, match="exceeds the host budget"):
-        small.put(e.store.get("c"), "host", pin=True)
+        small.put(e.store.load("c"), "host", pin=True)

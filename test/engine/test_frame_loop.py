@@ -27,24 +27,29 @@ def observations(model, n):
     return [synthetic_observation(model.cfg, i, f"task number {i % 3}") for i in range(n)]
 
 
-QUESTIONS = {2: ("q-a", "where is the cup?"), 5: ("q-b", "what next?"), 6: ("q-c", "why?")}
+QUESTIONS = {2: "where is the cup?", 5: "what next?", 6: "why?"}
+
+
+def base(request_id):
+    """`answer-1@<epoch>` -> `answer-1`: each runner's policy has its own epoch."""
+    return request_id.split("@")[0]
 
 
 def run(runner, obs, finish):
     texts, first_frame, done_frame, chunks = {}, {}, {}, []
     for f, o in enumerate(obs):
         if f in QUESTIONS:
-            runner.policy.ask(*QUESTIONS[f])
+            runner.policy.ask(QUESTIONS[f])
         res = runner.cycle(o, f, tick=5 * f)
         chunks.append(res.chunk)
         for e in res.events:
-            first_frame.setdefault(e.request_id, f)
+            first_frame.setdefault(base(e.request_id), f)
             if e.done:
-                texts[e.request_id], done_frame[e.request_id] = e.text, f
+                texts[base(e.request_id)], done_frame[base(e.request_id)] = e.text, f
     if finish:
         for e in runner.finish_all():
             if e.done:
-                texts[e.request_id], done_frame[e.request_id] = e.text, len(obs)
+                texts[base(e.request_id)], done_frame[base(e.request_id)] = e.text, len(obs)
     return texts, first_frame, done_frame, chunks
 
 
@@ -58,7 +63,7 @@ def test_cross_frame_batched_text_equals_isolated_and_chunks_equal_private_prefi
     assert (
         set(u_text)
         == set(i_text)
-        == {f"narration-{f}" for f in range(0, 9, 2)} | {"q-a", "q-b", "q-c"}
+        == {f"narration-{f}" for f in range(0, 9, 2)} | {"answer-1", "answer-2", "answer-3"}
     )
     for rid in i_text:
         assert u_text[rid] == i_text[rid], rid
@@ -121,47 +126,65 @@ def test_slow_decode_never_breaks_the_period_and_nothing_is_lost(tiny_model):
     assert all(c.decode_steps == 2 for c in cycles)  # 0.02 + 2 * 0.035 fits, a third not
     assert loop.counters.decode_deferred == 10  # the load did not fit: visible, not hidden
     # nothing lost: cycles without new narration drain every request
-    done = {e.request_id: e for c in cycles for e in c.events if e.done}
+    done = {base(e.request_id): e for c in cycles for e in c.events if e.done}
     loop.policy.cfg = LoopConfig(period_s=period, narrate_every=0)
     for f in range(10, 80):
         res = loop.cycle(obs[f % 10], f, 5 * f)
         assert res.cycle_s <= period
-        done.update({e.request_id: e for e in res.events if e.done})
+        done.update({base(e.request_id): e for e in res.events if e.done})
         if not loop.manager.requests:
             break
     assert set(done) == {f"narration-{f}" for f in range(10)}
     assert all(e.truncated or len(e.text) > 0 for e in done.values())
 
 
-def test_slot_exhaustion_truncates_the_oldest_request(tiny_model):
+def test_one_slow_decode_step_does_not_stop_language_for_good(tiny_model):
+    cfg = LoopConfig(period_s=0.1, narrate_every=0, answer_tokens=30)
+    clock = VirtualClock()
+    loop = slow_loop(tiny_model, cfg, clock, step_s=0.01, prefill_s=0.02)
+    obs = observations(tiny_model, 9)
+    loop.warmup(obs[0])
+    loop.policy.ask("still there?")
+    loop.cost._by_batch = {b: 5.0 for b in range(1, 17)}  # a 5 s step once (a load spike)
+    steps = [loop.cycle(o, f, 5 * f).decode_steps for f, o in enumerate(obs)]
+    assert steps[:2] == [0, 0] and sum(steps) >= 3  # deferred, then a step every third cycle
+    assert loop.cost.estimate(1) < 5.0  # ... which brings the estimate back
+
+
+def test_a_question_ends_the_oldest_narration_when_slots_run_out(tiny_model):
     cfg = LoopConfig(period_s=10.0, narrate_every=1, narration_tokens=200, max_decode_steps=1)
     loop = make_loop(tiny_model, cfg, num_slots=3)
     events = []
     for f, o in enumerate(observations(tiny_model, 6)):
         if f == 4:
-            loop.policy.ask("urgent", "stop?")
+            urgent = loop.policy.ask("stop?")
         events += loop.cycle(o, f, f).events
     c = loop.manager.counters
-    truncated = {e.request_id for e in events if e.done and e.truncated}
-    assert c.truncated >= 1 and truncated  # the oldest narration ended early, flagged
-    assert "urgent" in {r.request_id for r in loop.manager.requests.values()}
-    assert c.frames == 6 and loop.manager.arena.num_free >= 0
+    truncated = {base(e.request_id): e for e in events if e.done and e.truncated}
+    # narrations 0 and 1 held the two slots one frame leaves; the question took the oldest's
+    assert set(truncated) == {"narration-0"} and c.truncated == 1
+    assert truncated["narration-0"].reason == f"slot given to {urgent}"
+    assert urgent in loop.manager.requests
+    assert c.narrations_skipped == 4  # frames 2..5: no room (at 4 the question took it)
+    assert c.frames == 6 and loop.manager.arena.num_free >= 1  # one kept for the next frame
     # every frame still got its chunk while slots were exhausted
     assert loop.queue.counters.chunks == 6
 
 
-def test_slot_exhaustion_skips_an_optional_narration(tiny_model):
+def test_slot_exhaustion_skips_an_optional_narration_and_defers_a_question(tiny_model):
     cfg = LoopConfig(
         period_s=10.0, narrate_every=1, narration_tokens=200, answer_tokens=200, max_decode_steps=1
     )
     loop = make_loop(tiny_model, cfg, num_slots=2)
-    obs = observations(tiny_model, 2)
-    loop.cycle(obs[0], 0, 0)  # narration-0 holds one slot
-    loop.policy.ask("q", "status?")  # adopts frame 1's slot; no slot left for narration-1
-    loop.cycle(obs[1], 1, 5)
+    obs = observations(tiny_model, 3)
+    first = loop.policy.ask("status?")
+    loop.cycle(obs[0], 0, 0)  # the answer takes the one slot a frame can spare
+    second = loop.policy.ask("and now?")
+    loop.cycle(obs[1], 1, 5)  # no room: the question waits, narration-1 is skipped
     c = loop.manager.counters
-    assert c.narrations_skipped == 1 and c.truncated == 0
-    assert set(loop.manager.requests) == {"narration-0", "q"}
+    assert c.narrations_skipped == 2 and c.truncated == 0 and c.deferred == 1
+    assert set(loop.manager.requests) == {first}
+    assert [t.request_id for t in loop.policy.pending()] == [second]
 
 
 def test_empty_and_over_long_instructions(tiny_model):
@@ -182,9 +205,9 @@ def test_answer_requests_use_the_question(tiny_model):
     cfg = LoopConfig(period_s=10.0, answer_tokens=8, max_decode_steps=16)
     loop = make_loop(tiny_model, cfg)
     o = observations(tiny_model, 1)[0]
-    loop.policy.ask("a1", "what is on the table?")
-    loop.policy.ask("a2", "is the drawer open?")
+    a1 = loop.policy.ask("what is on the table?")
+    a2 = loop.policy.ask("is the drawer open?")
     ev = {e.request_id: e for e in loop.cycle(o, 0, 0).events if e.done}
     ev.update({e.request_id: e for e in loop.finish_all() if e.done})
-    assert ev["a1"].kind is TaskKind.ANSWER and set(ev) == {"a1", "a2"}
+    assert ev[a1].kind is TaskKind.ANSWER and set(ev) == {a1, a2}
     assert loop.manager.counters.requests == 2

@@ -9,6 +9,7 @@ import torch
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.policy import LoopConfig, arena_rows_needed
 from embodied_kv.kv.capsule_store import StoreConfig
+from embodied_kv.kv.manager import Status
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
@@ -68,7 +69,7 @@ def test_whole_cycle_snapshot_and_restore(engine):
     hook = m.expert.action_out_proj.register_forward_hook(lambda *a: velocities.append(1))
     engine.observe(synthetic_observation(m.cfg, 0, "put the red cup on the plate"))
     engine.begin_episode()
-    engine.ask("q-0", "where is the cup?")
+    engine.ask("where is the cup?")
     try:
         first = engine.cycle(0)
     finally:
@@ -107,6 +108,9 @@ def test_whole_cycle_snapshot_and_restore(engine):
 
     again = engine.cycle(5)
     assert again.chunk.tobytes() == second.chunk.tobytes()
-    assert [(e.request_id, e.text) for e in again.events] == [
-        (e.request_id, e.text) for e in second.events
-    ]
+
+    def texts(events):  # ids without the epoch: the replay runs in a new timeline
+        return [(e.request_id.split("@")[0], e.text) for e in events
+                if e.status is not Status.CANCELLED]  # fmt: skip
+
+    assert texts(again.events) == texts(second.events)

@@ -17,6 +17,7 @@ from builtin_interfaces.msg import Time  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 
+from embodied_kv.action import Execute  # noqa: E402
 from embodied_kv.msg import MemoryUpdate, TextChunk  # noqa: E402
 from embodied_kv.srv import ListCapsules, Reset, Rollback, Snapshot  # noqa: E402
 
@@ -31,6 +32,8 @@ def make_text_chunk() -> dict:
         "text_so_far": "Pick the red cup, then place it — café ✓",
         "new_text": " — café ✓",
         "done": True,
+        "status": TextChunk.STATUS_CANCELLED,
+        "reason": "cancelled: the session was restored to 'episode_start'",
     }
 
 
@@ -43,7 +46,15 @@ def make_memory_update() -> dict:
     }
 
 
-MESSAGES = [(TextChunk, make_text_chunk), (MemoryUpdate, make_memory_update)]
+MESSAGES = [
+    (TextChunk, make_text_chunk),
+    (MemoryUpdate, make_memory_update),
+    # the action's three parts are messages too: every field must cross the wire
+    (Execute.Goal, lambda: {"instruction": "stack the blocks ✓", "time_limit_s": 12.5}),
+    (Execute.Result, lambda: {"status": Execute.Result.STATUS_CANCELED, "message": "held",
+                              "frames": 2**31 + 3}),  # fmt: skip
+    (Execute.Feedback, lambda: {"frame": 77, "actions": 2**40 + 1, "narration": "moving"}),
+]
 
 SERVICES = [
     (
@@ -109,6 +120,9 @@ def test_constants_are_distinct():
     assert len(ops) == 3
     tiers = {Snapshot.Request.TIER_GPU, Snapshot.Request.TIER_HOST, Snapshot.Request.TIER_DISK}
     assert len(tiers) == 3
+    statuses = {TextChunk.STATUS_OK, TextChunk.STATUS_TRUNCATED, TextChunk.STATUS_REFUSED,
+                TextChunk.STATUS_CANCELLED}  # fmt: skip
+    assert len(statuses) == 4
 
 
 @pytest.mark.parametrize("msg_type,make_values", MESSAGES, ids=[m[0].__name__ for m in MESSAGES])

@@ -29,11 +29,13 @@ import rclpy  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from lifecycle_msgs.msg import State, Transition  # noqa: E402
 from lifecycle_msgs.srv import ChangeState, GetState  # noqa: E402
+from rclpy.action import ActionClient  # noqa: E402
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor  # noqa: E402
 from sensor_msgs.msg import CompressedImage, Image, JointState  # noqa: E402
 from std_msgs.msg import Float64MultiArray, String  # noqa: E402
 from trajectory_msgs.msg import JointTrajectory  # noqa: E402
 
+from embodied_kv.action import Execute  # noqa: E402
 from embodied_kv.msg import MemoryUpdate, TextChunk  # noqa: E402
 from embodied_kv.ros.container import NODE_CLASSES  # noqa: E402
 from embodied_kv.ros.rate_probe import RateProbe  # noqa: E402
@@ -48,6 +50,8 @@ TIMEOUT_S = 15.0
 EXIT_TIMEOUT_S = 30.0
 FOREIGN = "foreign"  # a disk capsule taken with another engine config
 WRIST_TOPIC = "camera/wrist/image_raw/compressed"  # the default topic of 'wrist::compressed'
+EARLIER = "earlier"  # a disk capsule of an earlier robot process, answers live in it
+EARLIER_ANSWERS = 6
 
 CONFIG = f"""
 /**:
@@ -83,7 +87,7 @@ class Robot:
         self.log_path = workdir / "robot.log"
         self.out_path = workdir / "robot.out"
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONPATH": path, "PYTHONFAULTHANDLER": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "embodied_kv.ros.container", "--config", str(self.config),
              "--ros-args", "-r", f"__ns:={namespace}"],
@@ -97,13 +101,21 @@ class Robot:
         return self.process.poll() is None
 
     def stop(self) -> int:
+        """Ctrl-C as `ros2 launch` escalates it: SIGINT, SIGINT again, then SIGTERM, a
+        few milliseconds apart; the robot must still shut down cleanly and exit 0."""
         if self.alive():
-            self.process.send_signal(signal.SIGINT)
+            for sig, pause in ((signal.SIGINT, 0.002), (signal.SIGINT, 0.001), (signal.SIGTERM, 0)):
+                self.process.send_signal(sig)
+                time.sleep(pause)
             try:
                 self.process.wait(EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            except subprocess.TimeoutExpired:  # hung: every thread's stack into the log
+                self.process.send_signal(signal.SIGABRT)
+                try:
+                    self.process.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
         return self.process.returncode
 
 
@@ -139,11 +151,12 @@ class Probe:
         self.executor.add_node(self.node)
         node = self.node
         self.actions = RateProbe(1.0 / RATE_HZ)
+        self.action_values: list[tuple[float, bytes]] = []  # (arrival, float64 bytes)
         self.chunks: list[tuple[float, JointTrajectory]] = []
         self.text: list[tuple[float, TextChunk]] = []
         self.plans: list[tuple[float, TextChunk]] = []
         self.diagnostics: DiagnosticArray | None = None
-        node.create_subscription(Float64MultiArray, "action", lambda m: self.actions.record(), 200)
+        node.create_subscription(Float64MultiArray, "action", self._on_action, 200)
         node.create_subscription(JointTrajectory, "action_chunk", self._stamp(self.chunks), 50)
         node.create_subscription(TextChunk, "text", self._stamp(self.text), 200)
         node.create_subscription(TextChunk, "plan", self._stamp(self.plans), 200)
@@ -153,7 +166,7 @@ class Probe:
             "wrist": node.create_publisher(CompressedImage, WRIST_TOPIC, 10),
             "joint_states": node.create_publisher(JointState, "joint_states", 10),
             "instruction": node.create_publisher(String, "instruction", 10),
-            "question": node.create_publisher(String, "question", 10),
+            "question": node.create_publisher(String, "question", 200),  # bursts
             "memory": node.create_publisher(MemoryUpdate, "memory/update", 10),
             "plan_request": node.create_publisher(String, "plan_request", 10),
         }
@@ -170,6 +183,7 @@ class Probe:
             )
             for cls in NODE_CLASSES
         }
+        self.execute = ActionClient(node, Execute, "prefill/execute")
         self._thread = threading.Thread(target=self._spin, name="probe", daemon=True)
         self._thread.start()
 
@@ -178,6 +192,10 @@ class Probe:
             self.executor.spin()
         except ExternalShutdownException:
             pass
+
+    def _on_action(self, msg: Float64MultiArray) -> None:
+        self.actions.record()
+        self.action_values.append((time.monotonic(), np.array(msg.data).tobytes()))
 
     @staticmethod
     def _stamp(into: list):
@@ -295,19 +313,29 @@ class Probe:
         self.context.try_shutdown()
 
 
-def write_foreign_capsule(disk: Path) -> None:
-    """A disk capsule of the same weights but another arena config (max_len)."""
+def write_capsules_of_earlier_processes(disk: Path) -> None:
+    """What other processes left in the disk tier: a capsule of the same weights but
+    another arena config (max_len), and one of this config with answers in flight."""
     from embodied_kv.engine.engine import Engine, EngineConfig
     from embodied_kv.kv.capsule_store import StoreConfig
+    from embodied_kv.model.synthetic import synthetic_observation
 
-    engine = Engine(EngineConfig(max_len=1024, store=StoreConfig(disk_dir=str(disk))))
-    engine.snapshot(FOREIGN, "disk")
+    store = StoreConfig(disk_dir=str(disk))
+    Engine(EngineConfig(max_len=1024, store=store)).snapshot(FOREIGN, "disk")
+    earlier = Engine(EngineConfig(control_hz=RATE_HZ, max_decode_steps=2, store=store))
+    earlier.begin_episode()
+    earlier.observe(synthetic_observation(earlier.model.cfg, 0))
+    for i in range(EARLIER_ANSWERS):
+        earlier.ask(f"earlier question {i}?")
+    earlier.cycle(0)
+    assert len(earlier.manager.live()) == EARLIER_ANSWERS
+    earlier.snapshot(EARLIER, "disk", pin=True)
 
 
 @pytest.fixture(scope="session")
 def robot(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("robot")
-    write_foreign_capsule(workdir / "capsules")
+    write_capsules_of_earlier_processes(workdir / "capsules")
     yield from run_robot(Robot(workdir))
 
 
@@ -344,6 +372,7 @@ def run_robot(robot: Robot):
         status = robot.stop()
     log = robot.log()
     assert status == 0, f"robot exited {status}:\n{log[-3000:]}"
+    assert "Traceback" not in log and "InvalidHandle" not in log, log[-3000:]
     for cls in NODE_CLASSES:
         assert f"{cls.NAME}]: cleaned up" in log
     assert "engine freed (last user)" in log

@@ -1,0 +1,55 @@
+"""The engine's own capsule section: the frame, the instruction and the latest
+observation (DESIGN §7: what the next cycle would prefill is part of the session)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from embodied_kv.model.config import ModelConfig
+from embodied_kv.model.vla import Observation
+
+
+def observation_tensors(obs: Observation | None) -> dict[str, torch.Tensor]:
+    if obs is None:
+        return {}
+    out = {
+        "images": obs.images.detach().clone(),  # [num_cameras, 3, S, S]
+        "state": torch.from_numpy(np.asarray(obs.state, dtype=np.float64).copy()),  # [<= D]
+    }
+    if obs.robot_state is not None:  # [S] robot units: what delta actions add to
+        out["robot_state"] = torch.from_numpy(np.asarray(obs.robot_state, np.float64).copy())
+    return out
+
+
+def observation_meta(obs: Observation | None) -> dict | None:
+    if obs is None:
+        return None
+    mask = None if obs.camera_mask is None else list(obs.camera_mask)
+    return {"instruction": obs.instruction, "camera_mask": mask}
+
+
+def check_observation(cfg: ModelConfig, tensors: dict, meta: dict | None) -> None:
+    if meta is None:
+        return
+    s = cfg.vision.image_size
+    images = tensors.get("images")
+    shape = None if images is None else tuple(images.shape)
+    if shape != (cfg.num_cameras, 3, s, s):
+        raise ValueError(f"engine section: images {shape} != {(cfg.num_cameras, 3, s, s)}")
+    if "state" not in tensors or not isinstance(meta.get("instruction"), str):
+        raise ValueError("engine section: observation without its state or instruction")
+
+
+def load_observation(tensors: dict, meta: dict | None) -> Observation | None:
+    if meta is None:
+        return None
+    mask = meta["camera_mask"]
+    robot_state = tensors.get("robot_state")
+    return Observation(
+        tensors["images"].clone(),
+        tensors["state"].numpy().copy(),
+        meta["instruction"],
+        None if mask is None else tuple(mask),
+        None if robot_state is None else robot_state.numpy().copy(),
+    )
