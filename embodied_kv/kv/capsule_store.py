@@ -3,8 +3,9 @@
 Each tier has a byte budget. Putting a capsule into a full tier demotes the least
 recently used unpinned capsules one tier down (gpu -> host -> disk); a full disk
 tier deletes its least recently used unpinned capsules. Pinned capsules never move.
-A capsule is in exactly one tier: promoting a disk capsule after a restore deletes
-its files (pin it on disk to keep it there across restarts).
+A capsule is in exactly one tier. A restore promotes a host capsule to the GPU tier
+when it fits; a disk capsule stays on disk (read and verified at every restore), so
+what was saved to survive the process does survive it.
 
 Every change is planned first (which capsule goes to which tier), then prepared
 (files written, tensors copied) and only then committed to the index: a failure while
@@ -110,14 +111,14 @@ class CapsuleStore:
 
     def used(self, loaded: Capsule) -> bool:
         """After a restore from `loaded` (what load() returned): mark it recently used and
-        promote it to the GPU tier if it fits. Best effort: False (store unchanged) when
-        the promotion could not be done."""
+        promote a host capsule to the GPU tier if it fits. Best effort: False (store
+        unchanged) when the promotion could not be done."""
         cap = self._caps.get(loaded.name)
         if cap is None:
             return False
         self._clock += 1
         cap.last_used = self._clock
-        if cap.tier == "gpu" or cap.pinned or cap.nbytes > self.cfg.gpu_bytes:
+        if cap.tier != "host" or cap.pinned or cap.nbytes > self.cfg.gpu_bytes:
             return True
         moved = dataclasses.replace(cap, tensors=dict(loaded.tensors))
         try:

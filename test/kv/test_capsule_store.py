@@ -31,9 +31,9 @@ def test_folder_equals_index_after_restart(tmp_path):
     for i in range(3):
         store.put(make_capsule(f"c{i}", i), "disk")
     store.put(make_capsule("c0", 10), "host")  # replaced: its files go
-    loaded = store.load("c1")
-    store.used(loaded)  # promoted to the GPU tier: its files go
-    assert store.info("c1").tier == "gpu"
+    store.delete("c1")
+    store.used(store.load("c2"))  # restored: a disk capsule stays on disk
+    assert store.info("c2").tier == "disk"
     assert disk_files(tmp_path) == expected_files(store) == ["c2.json", "c2.safetensors"]
 
     # what a crash or an older version leaves behind, and files of other programs
