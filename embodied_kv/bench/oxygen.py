@@ -68,13 +68,14 @@ def run_modes(runners: dict, obs, warmup: int, replan_every: int, clock) -> dict
                 rec["wall_s"] += own[m] - started[m][f]
             for e in res.events:
                 if e.done:
-                    rec["texts"][e.request_id] = e.text
+                    rec["texts"][e.request_id.split("@")[0]] = e.text  # id without epoch
                     if e.frame >= warmup:
                         rec["latency_s"].append(own[m] - started[m][e.frame])
     for m, r in runners.items():
         out[m]["tokens"] = r.manager.counters.tokens - tokens0[m]
         if hasattr(r, "finish_all"):
-            out[m]["texts"].update({e.request_id: e.text for e in r.finish_all() if e.done})
+            done = [e for e in r.finish_all() if e.done]
+            out[m]["texts"].update({e.request_id.split("@")[0]: e.text for e in done})
     return out
 
 

@@ -52,7 +52,7 @@ class AblationRunner:
         for task in self.policy.tasks_for(frame):
             own = fp if self.share else m.prefill_frame(frame, model.embed_prefix(obs))
             suffix = model.tokenizer.encode(task.suffix, bos=False) if task.suffix else None
-            m.create(own, task.request_id, task.kind, task.max_new_tokens, suffix, task.optional)
+            m.create(own, task.request_id, task.kind, task.max_new_tokens, suffix)
             if own is not fp:
                 m.end_frame(own)
         m.end_frame(fp)
