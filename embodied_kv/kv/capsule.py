@@ -184,16 +184,10 @@ def stage(
     return Staged(capsule, arena, manager, requests, sections or [])
 
 
-def restore(
-    capsule: Capsule,
-    arena: KVArena,
-    manager: KVCacheManager | None,
-    identity: Identity,
-    extras: dict[str, Stateful] | None = None,
-    kv_only: bool = False,
-) -> None:
-    """Copy a capsule back into the live arena and objects (same slots, same buffers)."""
-    stage(capsule, arena, manager, identity, extras, kv_only).apply()
+def restore(*args, **kwargs) -> None:
+    """stage(...).apply() in one call (same arguments as stage): a capsule back into
+    the live arena and objects, same slots, same buffers."""
+    stage(*args, **kwargs).apply()
 
 
 def section_tensors(capsule: Capsule, key: str) -> dict[str, torch.Tensor]:
