@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from embodied_kv.kernels.packed_attention import plan_kernel
+from embodied_kv.kernels.rms_norm import plan_rms_norm
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, triton
 
 SM90 = 90
@@ -157,7 +158,8 @@ def compile_launch(launch: Launch, arch: int = SM90) -> CompileReport:
 
 
 def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
-    """Every distinct launch the dispatcher plans for pi05 attention steps (meta tensors)."""
+    """Every distinct launch the dispatchers plan for pi05 steps (meta tensors): attention
+    and the fused RMSNorms."""
     hq, hkv, d = PI05_HEADS
     launches: dict[str, Launch] = {}
     for max_len in PI05_MAX_LENS:
@@ -168,6 +170,12 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
         for decode in (True, False):
             for launch in plan_kernel(q, k, k, idx, idx, d**-0.5, torch.empty_like(q), decode):
                 launches.setdefault(launch.name, launch)
+    # the fused RMSNorms: the backbone's (W 2048, plain) and the expert's (W 1024, adaptive)
+    for width, adaptive in ((2048, False), (1024, True)):
+        x = torch.empty(n_tok, width, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(width, device="meta")
+        norm = plan_rms_norm(x, w, 1e-6, torch.empty_like(x), w if adaptive else None, True)
+        launches.setdefault(norm.name, norm)
     return list(launches.values())
 
 

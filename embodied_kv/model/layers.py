@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embodied_kv.kernels.rms_norm import rms_norm
 from embodied_kv.model.config import GemmaConfig
 
 
@@ -20,9 +21,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        """x [..., W] -> normed [..., W], one fused kernel on CUDA (kernels/rms_norm.py)."""
+        return rms_norm(x, self.weight, self.eps, add_one=True)
 
 
 class AdaRMSNorm(nn.Module):
@@ -50,10 +50,9 @@ class AdaRMSNorm(nn.Module):
         return 1.0 + scale, shift, gate
 
     def modulate(self, x: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """x [..., W] normalised in fp32, then x * (1 + scale) + shift, in x's dtype."""
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return torch.addcmul(shift, normed, scale1).to(x.dtype)
+        """x [..., W] normalised in fp32, then x * (1 + scale) + shift, in x's dtype; one
+        fused kernel on CUDA. scale1, shift [W] fp32."""
+        return rms_norm(x, scale1, self.eps, shift)
 
 
 class GatedMLP(nn.Module):
