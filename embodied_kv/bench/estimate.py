@@ -66,6 +66,11 @@ def norm_cost(x, mult, eps, shift=None, add_one=False) -> tuple[float, float]:
     return 6.0 * x.numel(), 2.0 * x.numel() * x.element_size() + params
 
 
+def rope_cost(x, cos, sin) -> tuple[float, float]:
+    """The RoPE kernel (kernels/rope.py): x read once, written once, the two table rows."""
+    return 3.0 * x.numel(), 2.0 * x.numel() * x.element_size() + 2 * cos.numel() * 4
+
+
 @contextmanager
 def as_one_kernel(census: Census, module, name: str, cost):
     """`module.name` recorded as the single kernel it is on CUDA, priced by `cost(*args)`."""
@@ -85,7 +90,7 @@ def as_one_kernel(census: Census, module, name: str, cost):
 @contextmanager
 def cuda_kernels(census: Census):
     """What runs as one Triton kernel on CUDA but as its torch reference here: the
-    backbone's packed attention and every RMSNorm (plain and adaptive)."""
+    backbone's packed attention, every RMSNorm (plain and adaptive) and RoPE rotation."""
     import embodied_kv.model.backbone as backbone
     import embodied_kv.model.layers as layers
 
@@ -95,6 +100,7 @@ def cuda_kernels(census: Census):
     with (
         as_one_kernel(census, backbone, "packed_attention", attention),
         as_one_kernel(census, layers, "rms_norm", norm_cost),
+        as_one_kernel(census, layers, "rope_rotate", rope_cost),
     ):
         yield
 

@@ -23,6 +23,9 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     splitk_reduce   16 splits                                 4      1   34      0   2 KiB  -
     splitk_reduce   32 splits                                 4      1   43      0   2 KiB  -
     prefill_tile    block_m=8 (64 rows), block_n=16           4      2  247      0  64 KiB  wgmma
+    rms_norm        W=2048 plain (backbone)                   8      1   27      0   0 KiB  -
+    rms_norm        W=1024 adaptive (expert)                  4      1   32      0   0 KiB  -
+    rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
 
 The split-K tile has 16 rows (8 heads padded), below wgmma's 64: decode is memory-bound and
 the tile reads each K/V row once for all heads. Alternatives measured for the prefill tile
@@ -44,6 +47,7 @@ import torch
 
 from embodied_kv.kernels.packed_attention import plan_kernel
 from embodied_kv.kernels.rms_norm import plan_rms_norm
+from embodied_kv.kernels.rope import plan_rope
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, triton
 
 SM90 = 90
@@ -159,7 +163,7 @@ def compile_launch(launch: Launch, arch: int = SM90) -> CompileReport:
 
 def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     """Every distinct launch the dispatchers plan for pi05 steps (meta tensors): attention
-    and the fused RMSNorms."""
+    and the fused RMSNorm and RoPE kernels."""
     hq, hkv, d = PI05_HEADS
     launches: dict[str, Launch] = {}
     for max_len in PI05_MAX_LENS:
@@ -176,6 +180,12 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
         w = torch.empty(width, device="meta")
         norm = plan_rms_norm(x, w, 1e-6, torch.empty_like(x), w if adaptive else None, True)
         launches.setdefault(norm.name, norm)
+    # RoPE of the query heads and of the KV head
+    table = torch.empty(n_tok, 1, d, device="meta")
+    for heads in (hq, hkv):
+        x = torch.empty(n_tok, heads, d, dtype=torch.bfloat16, device="meta")
+        rot = plan_rope(x, table, table, torch.empty_like(x))
+        launches.setdefault(rot.name, rot)
     return list(launches.values())
 
 

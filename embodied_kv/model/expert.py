@@ -119,8 +119,7 @@ class ActionExpert(nn.Module):
             j = 2 * i
             xn = layer.input_layernorm.modulate(h, mod.scale1[j, k], mod.shift[j, k])
             q, k_, v = attn.qkv(xn)
-            qk = self.rope.rotate(torch.cat([q, k_], dim=1), ctx.cos_sin)  # [H, Hq + Hkv, D]
-            q, k_ = qk[:, : attn.heads], qk[:, attn.heads :]
+            q, k_ = self.rope.rotate(q, ctx.cos_sin), self.rope.rotate(k_, ctx.cos_sin)
             kp = arena.k[i, slot, : ctx.n_rows]  # [P, Hkv, D], a view
             vp = arena.v[i, slot, : ctx.n_rows]
             o = prefix_suffix_attention(q, kp, vp, k_, v, self.scale, ctx.bias)

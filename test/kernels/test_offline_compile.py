@@ -34,7 +34,8 @@ def test_pi05_kernels_compile_for_sm90_without_spills(tmp_path):
     assert report.exists(), proc.stderr[-4000:]
     rows = json.loads(report.read_text())
     kernels = {r["name"].split()[0] for r in rows}
-    assert kernels == {"splitk_partial", "splitk_reduce", "prefill_tile", "rms_norm"}, kernels
+    want = {"splitk_partial", "splitk_reduce", "prefill_tile", "rms_norm", "rope"}
+    assert kernels == want, kernels
     assert {r["arch"] for r in rows} == {90}
     for r in rows:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"spills: {r}"
