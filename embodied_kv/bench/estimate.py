@@ -71,6 +71,15 @@ def rope_cost(x, cos, sin) -> tuple[float, float]:
     return 3.0 * x.numel(), 2.0 * x.numel() * x.element_size() + 2 * cos.numel() * 4
 
 
+def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> tuple[float, float]:
+    """The expert attention kernel (kernels/expert_attention.py): QK^T and PV over prefix +
+    suffix rows for every query; q and out once, the prefix and suffix K/V once."""
+    h_len, hq, d = q.shape
+    rows = kp.shape[0] + ks.shape[0]
+    kv = 2 * rows * kp.shape[1] * d * kp.element_size()
+    return 4.0 * h_len * hq * d * rows, 2.0 * q.numel() * q.element_size() + kv + bias.numel() * 4
+
+
 @contextmanager
 def as_one_kernel(census: Census, module, name: str, cost):
     """`module.name` recorded as the single kernel it is on CUDA, priced by `cost(*args)`."""
@@ -90,8 +99,10 @@ def as_one_kernel(census: Census, module, name: str, cost):
 @contextmanager
 def cuda_kernels(census: Census):
     """What runs as one Triton kernel on CUDA but as its torch reference here: the
-    backbone's packed attention, every RMSNorm (plain and adaptive) and RoPE rotation."""
+    backbone's packed attention, the expert's attention, every RMSNorm (plain and
+    adaptive) and RoPE rotation."""
     import embodied_kv.model.backbone as backbone
+    import embodied_kv.model.expert as expert
     import embodied_kv.model.layers as layers
 
     def attention(q, k_cache, v_cache, slot, kv_len, *rest, **kwargs):
@@ -101,6 +112,7 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, backbone, "packed_attention", attention),
         as_one_kernel(census, layers, "rms_norm", norm_cost),
         as_one_kernel(census, layers, "rope_rotate", rope_cost),
+        as_one_kernel(census, expert, "expert_attention", expert_attention_cost),
     ):
         yield
 

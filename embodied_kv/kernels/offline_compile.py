@@ -26,6 +26,7 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     rms_norm        W=2048 plain (backbone)                   8      1   27      0   0 KiB  -
     rms_norm        W=1024 adaptive (expert)                  4      1   32      0   0 KiB  -
     rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
+    expert_attention block_m=8 (64 rows), block_n=16         4      2  209      0  64 KiB  wgmma
 
 The split-K tile has 16 rows (8 heads padded), below wgmma's 64: decode is memory-bound and
 the tile reads each K/V row once for all heads. Alternatives measured for the prefill tile
@@ -45,6 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from embodied_kv.kernels.expert_attention import plan_expert_attention
 from embodied_kv.kernels.packed_attention import plan_kernel
 from embodied_kv.kernels.rms_norm import plan_rms_norm
 from embodied_kv.kernels.rope import plan_rope
@@ -180,6 +182,12 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
         w = torch.empty(width, device="meta")
         norm = plan_rms_norm(x, w, 1e-6, torch.empty_like(x), w if adaptive else None, True)
         launches.setdefault(norm.name, norm)
+    # the action expert's attention: 50 suffix tokens over a 1024-row bucket of a slot
+    q = torch.empty(50, hq, d, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1024, hkv, d, dtype=torch.bfloat16, device="meta")
+    bias = torch.empty(1024 + 50, device="meta")
+    att = plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q)
+    launches.setdefault(att.name, att)
     # RoPE of the query heads and of the KV head
     table = torch.empty(n_tok, 1, d, device="meta")
     for heads in (hq, hkv):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embodied_kv.kernels.expert_attention import expert_attention
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
@@ -122,7 +123,7 @@ class ActionExpert(nn.Module):
             q, k_ = self.rope.rotate(q, ctx.cos_sin), self.rope.rotate(k_, ctx.cos_sin)
             kp = arena.k[i, slot, : ctx.n_rows]  # [P, Hkv, D], a view
             vp = arena.v[i, slot, : ctx.n_rows]
-            o = prefix_suffix_attention(q, kp, vp, k_, v, self.scale, ctx.bias)
+            o = expert_attention(q, kp, vp, k_, v, self.scale, ctx.bias)  # one kernel on CUDA
             h = torch.addcmul(h, attn.o_proj(o.reshape(h_len, -1)), mod.gate[j, k])
             post = layer.post_attention_layernorm
             xn = post.modulate(h, mod.scale1[j + 1, k], mod.shift[j + 1, k])
@@ -172,28 +173,3 @@ class StepContext:
     cos_sin: tuple[torch.Tensor, torch.Tensor]  # [H, 1, D] each: RoPE of the suffix
     n_rows: int | torch.Tensor  # prefix rows read from the arena
     bias: torch.Tensor  # [n_rows + H] fp32 additive mask: 0 or -inf (rows >= prefix_len)
-
-
-def prefix_suffix_attention(q, kp, vp, ks, vs, scale: float, bias: torch.Tensor) -> torch.Tensor:
-    """Joint softmax over prefix rows and suffix tokens, without concatenating the
-    prefix (LeRobot copies it every step; here it is read in place).
-
-    Dtypes as LeRobot's eager attention under bf16: the score and value products in
-    the model dtype (fp32 accumulation on the GPU), the masked softmax in fp32; the
-    prefix K/V are never cast (an fp32 copy of them was 1.3 GB per action at pi05).
-
-    q [H, Hq, D]; kp, vp [P, Hkv, D]; ks, vs [H, Hkv, D]; bias [P + H] fp32 (0 / -inf)
-    -> [H, Hq, D] in q.dtype."""
-    h_len, hq, d = q.shape
-    hkv = kp.shape[1]
-    g = hq // hkv
-    n_p = kp.shape[0]
-    qg = q.view(h_len, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, h_len * g, d)
-    sp = torch.matmul(qg, kp.permute(1, 2, 0))  # [Hkv, H*g, P]
-    ss = torch.matmul(qg, ks.permute(1, 2, 0))  # [Hkv, H*g, H]
-    # bias + scale * s: masks, scales and (under bf16) casts to fp32 in one kernel
-    p = torch.softmax(torch.add(bias, torch.cat([sp, ss], dim=-1), alpha=scale), dim=-1)
-    p = p.to(q.dtype)
-    o = torch.matmul(p[..., n_p:], vs.permute(1, 0, 2))  # [Hkv, H*g, D]
-    o = torch.baddbmm(o, p[..., :n_p], vp.permute(1, 0, 2))
-    return o.view(hkv, h_len, g, d).permute(1, 0, 2, 3).reshape(h_len, hq, d)
