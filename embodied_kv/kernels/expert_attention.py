@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from embodied_kv.kernels.prefill_tile import tile_config
+from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
 from embodied_kv.kernels.triton_base import (
     LOG2E,
     MAX_GROUP,
     MAX_HEAD_DIM,
     Launch,
-    pow2,
-    precision_flags,
     tl,
     triton,
 )
@@ -193,15 +191,7 @@ def plan_expert_attention(q, kp, vp, ks, vs, scale: float, bias, out) -> Launch:
             out.stride(0),
             out.stride(1),
         ),  # fmt: skip
-        constexprs={
-            "GROUP": group,
-            "GROUP_PAD": cfg.group_pad,
-            "BLOCK_M": cfg.block_m,
-            "HEAD_DIM": d,
-            "BLOCK_D": pow2(d),
-            "BLOCK_N": cfg.block_n,
-            **precision_flags(q.dtype),
-        },
+        constexprs=tile_constexprs(cfg, group, d, q.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
