@@ -80,6 +80,11 @@ def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> tuple[float, float]
     return 4.0 * h_len * hq * d * rows, 2.0 * q.numel() * q.element_size() + kv + bias.numel() * 4
 
 
+def gelu_gate_cost(gate, up) -> tuple[float, float]:
+    """The GELU-gate kernel (kernels/gelu_gate.py): gate and up read once, the product written."""
+    return 10.0 * gate.numel(), 3.0 * gate.numel() * gate.element_size()
+
+
 @contextmanager
 def as_one_kernel(census: Census, module, name: str, cost):
     """`module.name` recorded as the single kernel it is on CUDA, priced by `cost(*args)`."""
@@ -100,7 +105,7 @@ def as_one_kernel(census: Census, module, name: str, cost):
 def cuda_kernels(census: Census):
     """What runs as one Triton kernel on CUDA but as its torch reference here: the
     backbone's packed attention, the expert's attention, every RMSNorm (plain and
-    adaptive) and RoPE rotation."""
+    adaptive), RoPE rotation and GELU-gate product."""
     import embodied_kv.model.backbone as backbone
     import embodied_kv.model.expert as expert
     import embodied_kv.model.layers as layers
@@ -113,6 +118,7 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, layers, "rms_norm", norm_cost),
         as_one_kernel(census, layers, "rope_rotate", rope_cost),
         as_one_kernel(census, expert, "expert_attention", expert_attention_cost),
+        as_one_kernel(census, layers, "gelu_gate", gelu_gate_cost),
     ):
         yield
 

@@ -27,6 +27,7 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     rms_norm        W=1024 adaptive (expert)                  4      1   32      0   0 KiB  -
     rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
     expert_attention block_m=8 (64 rows), block_n=16         4      2  209      0  64 KiB  wgmma
+    gelu_gate       F=16384 / F=4096, 1024 per program        4      1   31      0   0 KiB  -
 
 The split-K tile has 16 rows (8 heads padded), below wgmma's 64: decode is memory-bound and
 the tile reads each K/V row once for all heads. Alternatives measured for the prefill tile
@@ -47,6 +48,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from embodied_kv.kernels.expert_attention import plan_expert_attention
+from embodied_kv.kernels.gelu_gate import plan_gelu_gate
 from embodied_kv.kernels.packed_attention import plan_kernel
 from embodied_kv.kernels.rms_norm import plan_rms_norm
 from embodied_kv.kernels.rope import plan_rope
@@ -165,7 +167,7 @@ def compile_launch(launch: Launch, arch: int = SM90) -> CompileReport:
 
 def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     """Every distinct launch the dispatchers plan for pi05 steps (meta tensors): attention
-    and the fused RMSNorm and RoPE kernels."""
+    and the fused RMSNorm, RoPE and GELU-gate kernels."""
     hq, hkv, d = PI05_HEADS
     launches: dict[str, Launch] = {}
     for max_len in PI05_MAX_LENS:
@@ -188,6 +190,11 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     bias = torch.empty(1024 + 50, device="meta")
     att = plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q)
     launches.setdefault(att.name, att)
+    # the gated MLP activation of the backbone (16384) and of the expert (4096)
+    for feat in (16_384, 4096):
+        x = torch.empty(n_tok, feat, dtype=torch.bfloat16, device="meta")
+        gg = plan_gelu_gate(x, x, torch.empty_like(x))
+        launches.setdefault(gg.name, gg)
     # RoPE of the query heads and of the KV head
     table = torch.empty(n_tok, 1, d, device="meta")
     for heads in (hq, hkv):

@@ -40,6 +40,7 @@ def rms_norm_ref(
 
 
 if triton is not None:
+    from embodied_kv.kernels.triton_base import round_bf16
 
     @triton.jit
     def _rms_norm_fwd(
@@ -68,12 +69,7 @@ if triton is not None:
         y = y * m
         if HAS_SHIFT:
             y = y + tl.load(shift_ptr + offs, mask=mask, other=0.0)
-        if ROUND_BF16:
-            # triton 3.9's interpreter casts fp32 -> bf16 by truncation; the GPU rounds to
-            # nearest even. Rounding the fp32 bits first makes the truncation exact.
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            y = bits.to(tl.float32, bitcast=True)
+        y = round_bf16(y, ROUND_BF16)
         tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

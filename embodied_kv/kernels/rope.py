@@ -31,6 +31,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 if triton is not None:
+    from embodied_kv.kernels.triton_base import round_bf16
 
     @triton.jit
     def _rope_fwd(
@@ -59,10 +60,7 @@ if triton is not None:
         cos = tl.load(cos_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
         sin = tl.load(sin_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
         y = x * cos[None, :] + xs * sin[None, :]
-        if ROUND_BF16:
-            bits = y.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            y = bits.to(tl.float32, bitcast=True)
+        y = round_bf16(y, ROUND_BF16)
         out = out_ptr + tok * n_heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 

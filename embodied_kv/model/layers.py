@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from embodied_kv.kernels.gelu_gate import gelu_gate
 from embodied_kv.kernels.rms_norm import rms_norm
 from embodied_kv.kernels.rope import rope as rope_rotate
 from embodied_kv.model.config import GemmaConfig
@@ -64,7 +64,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        """x [N, W] -> [N, W]; GELU and the product are one kernel on CUDA."""
+        return self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x)))
 
 
 class Attention(nn.Module):
