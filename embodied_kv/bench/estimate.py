@@ -59,22 +59,68 @@ def attention_cost(q, k_cache, slot, kv_len) -> tuple[float, float]:
     return flops, 2.0 * q.numel() * q.element_size() + kv_bytes
 
 
+def norm_cost(x, mult, eps, shift=None, add_one=False) -> tuple[float, float]:
+    """The fused RMSNorm kernel (kernels/rms_norm.py): the rows read once and written once,
+    the fp32 multiplier (and shift) once; ~6 FLOPs per element, never the bound."""
+    params = mult.numel() * 4 * (1 if shift is None else 2)
+    return 6.0 * x.numel(), 2.0 * x.numel() * x.element_size() + params
+
+
+def rope_cost(x, cos, sin) -> tuple[float, float]:
+    """The RoPE kernel (kernels/rope.py): x read once, written once, the two table rows."""
+    return 3.0 * x.numel(), 2.0 * x.numel() * x.element_size() + 2 * cos.numel() * 4
+
+
+def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> tuple[float, float]:
+    """The expert attention kernel (kernels/expert_attention.py): QK^T and PV over prefix +
+    suffix rows for every query; q and out once, the prefix and suffix K/V once."""
+    h_len, hq, d = q.shape
+    rows = kp.shape[0] + ks.shape[0]
+    kv = 2 * rows * kp.shape[1] * d * kp.element_size()
+    return 4.0 * h_len * hq * d * rows, 2.0 * q.numel() * q.element_size() + kv + bias.numel() * 4
+
+
+def gelu_gate_cost(gate, up) -> tuple[float, float]:
+    """The GELU-gate kernel (kernels/gelu_gate.py): gate and up read once, the product written."""
+    return 10.0 * gate.numel(), 3.0 * gate.numel() * gate.element_size()
+
+
 @contextmanager
-def one_kernel_attention(census: Census):
-    """The backbone's packed attention as the single kernel it is on CUDA."""
-    import embodied_kv.model.backbone as backbone
+def as_one_kernel(census: Census, module, name: str, cost):
+    """`module.name` recorded as the single kernel it is on CUDA, priced by `cost(*args)`."""
+    real = getattr(module, name)
 
-    real = backbone.packed_attention
+    def counted(*args, **kwargs):
+        with census.single_kernel(lambda: cost(*args, **kwargs)):
+            return real(*args, **kwargs)
 
-    def counted(q, k_cache, v_cache, slot, kv_len, *rest):
-        with census.single_kernel(lambda: attention_cost(q, k_cache, slot, kv_len)):
-            return real(q, k_cache, v_cache, slot, kv_len, *rest)
-
-    backbone.packed_attention = counted
+    setattr(module, name, counted)
     try:
         yield
     finally:
-        backbone.packed_attention = real
+        setattr(module, name, real)
+
+
+@contextmanager
+def cuda_kernels(census: Census):
+    """What runs as one Triton kernel on CUDA but as its torch reference here: the
+    backbone's packed attention, the expert's attention, every RMSNorm (plain and
+    adaptive), RoPE rotation and GELU-gate product."""
+    import embodied_kv.model.backbone as backbone
+    import embodied_kv.model.expert as expert
+    import embodied_kv.model.layers as layers
+
+    def attention(q, k_cache, v_cache, slot, kv_len, *rest, **kwargs):
+        return attention_cost(q, k_cache, slot, kv_len)
+
+    with (
+        as_one_kernel(census, backbone, "packed_attention", attention),
+        as_one_kernel(census, layers, "rms_norm", norm_cost),
+        as_one_kernel(census, layers, "rope_rotate", rope_cost),
+        as_one_kernel(census, expert, "expert_attention", expert_attention_cost),
+        as_one_kernel(census, layers, "gelu_gate", gelu_gate_cost),
+    ):
+        yield
 
 
 def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dict[str, Tally]:
@@ -91,7 +137,7 @@ def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dic
     rows = next(b for b in DENOISE_BUCKETS if b >= n)
     arena = model.new_arena(1, max(rows, -(-max(n, pad) // KEY_BLOCK) * KEY_BLOCK))
     slot = arena.allocate()
-    with census, torch.no_grad():
+    with census, torch.no_grad(), cuda_kernels(census):
         with census.region("vision"):
             img = model.vision(images).reshape(-1, c.backbone.width).to(model.dtype)
         with census.region("embed"):
@@ -99,7 +145,7 @@ def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dic
         plan = plan_step(arena, [Segment(slot, n, causal=False)], pad)  # host work
         with census.region("embed"):
             x = model.embed_inputs([StepInput(slot, embeds=prefix, causal=False)], plan.n_padded)
-        with census.region("prefill"), one_kernel_attention(census):
+        with census.region("prefill"):
             hidden = model.backbone(x, plan, arena)
         commit_step(arena, plan)
         with census.region("logits"):

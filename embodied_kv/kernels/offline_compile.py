@@ -23,6 +23,11 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     splitk_reduce   16 splits                                 4      1   34      0   2 KiB  -
     splitk_reduce   32 splits                                 4      1   43      0   2 KiB  -
     prefill_tile    block_m=8 (64 rows), block_n=16           4      2  247      0  64 KiB  wgmma
+    rms_norm        W=2048 plain (backbone)                   8      1   27      0   0 KiB  -
+    rms_norm        W=1024 adaptive (expert)                  4      1   32      0   0 KiB  -
+    rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
+    expert_attention block_m=8 (64 rows), block_n=16         4      2  209      0  64 KiB  wgmma
+    gelu_gate       F=16384 / F=4096, 1024 per program        4      1   31      0   0 KiB  -
 
 The split-K tile has 16 rows (8 heads padded), below wgmma's 64: decode is memory-bound and
 the tile reads each K/V row once for all heads. Alternatives measured for the prefill tile
@@ -42,7 +47,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from embodied_kv.kernels.expert_attention import plan_expert_attention
+from embodied_kv.kernels.gelu_gate import plan_gelu_gate
 from embodied_kv.kernels.packed_attention import plan_kernel
+from embodied_kv.kernels.rms_norm import plan_rms_norm
+from embodied_kv.kernels.rope import plan_rope
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, triton
 
 SM90 = 90
@@ -157,7 +166,8 @@ def compile_launch(launch: Launch, arch: int = SM90) -> CompileReport:
 
 
 def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
-    """Every distinct launch the dispatcher plans for pi05 attention steps (meta tensors)."""
+    """Every distinct launch the dispatchers plan for pi05 steps (meta tensors): attention
+    and the fused RMSNorm, RoPE and GELU-gate kernels."""
     hq, hkv, d = PI05_HEADS
     launches: dict[str, Launch] = {}
     for max_len in PI05_MAX_LENS:
@@ -168,6 +178,29 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
         for decode in (True, False):
             for launch in plan_kernel(q, k, k, idx, idx, d**-0.5, torch.empty_like(q), decode):
                 launches.setdefault(launch.name, launch)
+    # the fused RMSNorms: the backbone's (W 2048, plain) and the expert's (W 1024, adaptive)
+    for width, adaptive in ((2048, False), (1024, True)):
+        x = torch.empty(n_tok, width, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(width, device="meta")
+        norm = plan_rms_norm(x, w, 1e-6, torch.empty_like(x), w if adaptive else None, True)
+        launches.setdefault(norm.name, norm)
+    # the action expert's attention: 50 suffix tokens over a 1024-row bucket of a slot
+    q = torch.empty(50, hq, d, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1024, hkv, d, dtype=torch.bfloat16, device="meta")
+    bias = torch.empty(1024 + 50, device="meta")
+    att = plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q)
+    launches.setdefault(att.name, att)
+    # the gated MLP activation of the backbone (16384) and of the expert (4096)
+    for feat in (16_384, 4096):
+        x = torch.empty(n_tok, feat, dtype=torch.bfloat16, device="meta")
+        gg = plan_gelu_gate(x, x, torch.empty_like(x))
+        launches.setdefault(gg.name, gg)
+    # RoPE of the query heads and of the KV head
+    table = torch.empty(n_tok, 1, d, device="meta")
+    for heads in (hq, hkv):
+        x = torch.empty(n_tok, heads, d, dtype=torch.bfloat16, device="meta")
+        rot = plan_rope(x, table, table, torch.empty_like(x))
+        launches.setdefault(rot.name, rot)
     return list(launches.values())
 
 

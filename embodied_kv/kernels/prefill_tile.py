@@ -63,6 +63,20 @@ def tile_config(dtype: torch.dtype, group: int) -> TileConfig:
     return TileConfig(block_m, group_pad, block_n=16, num_warps=8 if fp32 else 4, num_stages=2)
 
 
+def tile_constexprs(cfg: TileConfig, group: int, d: int, dtype: torch.dtype) -> dict:
+    """The constexprs of a [BLOCK_M tokens x GROUP_PAD heads] query-tile kernel (this one
+    and kernels/expert_attention.py)."""
+    return {
+        "GROUP": group,
+        "GROUP_PAD": cfg.group_pad,
+        "BLOCK_M": cfg.block_m,
+        "HEAD_DIM": d,
+        "BLOCK_D": pow2(d),
+        "BLOCK_N": cfg.block_n,
+        **precision_flags(dtype),
+    }
+
+
 if triton is not None:
     from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
@@ -189,15 +203,7 @@ def plan_tile(
                 out.stride(0),
                 out.stride(1),
             ),
-            constexprs={
-                "GROUP": group,
-                "GROUP_PAD": cfg.group_pad,
-                "BLOCK_M": cfg.block_m,
-                "HEAD_DIM": d,
-                "BLOCK_D": pow2(d),
-                "BLOCK_N": cfg.block_n,
-                **precision_flags(q.dtype),
-            },
+            constexprs=tile_constexprs(cfg, group, d, q.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

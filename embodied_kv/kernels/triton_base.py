@@ -107,6 +107,17 @@ if triton is not None:
             acc = dot(p.to(v.dtype), v, acc, DOT_IN_FP32, INPUT_PRECISION)
         return m_new, l_i, acc
 
+    @triton.jit
+    def round_bf16(y, ROUND_BF16: tl.constexpr):
+        """fp32 y rounded to the nearest even bf16 value (still fp32) when ROUND_BF16: triton
+        3.9's interpreter casts fp32 -> bf16 by truncation, the GPU rounds to nearest even;
+        after this the interpreter's truncation is exact. Elementwise kernels store through it."""
+        if ROUND_BF16:
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            y = bits.to(tl.float32, bitcast=True)
+        return y
+
     # Decorated under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests).
     INTERPRETED = not isinstance(dot, triton.runtime.JITFunction)
 else:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from embodied_kv.kernels.gelu_gate import gelu_gate
+from embodied_kv.kernels.rms_norm import rms_norm
+from embodied_kv.kernels.rope import rope as rope_rotate
 from embodied_kv.model.config import GemmaConfig
 
 
@@ -20,14 +22,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        """x [..., W] -> normed [..., W], one fused kernel on CUDA (kernels/rms_norm.py)."""
+        return rms_norm(x, self.weight, self.eps, add_one=True)
 
 
 class AdaRMSNorm(nn.Module):
     """pi0.5's adaptive RMSNorm: a dense layer of the time condition gives scale,
-    shift and the gate of the residual that follows (openpi gemma.RMSNorm with cond)."""
+    shift and the gate of the residual that follows (openpi gemma.RMSNorm with cond).
+
+    The condition depends only on the flow time, so the action expert computes every
+    norm's modulation for all Euler steps at once (`modulation` over [S, W]) and each
+    step only applies it (`modulate`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -36,11 +41,19 @@ class AdaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., W], cond [W] -> (normed [..., W], gate [W])."""
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale1, shift, gate = self.modulation(cond)
+        return self.modulate(x, scale1, shift), gate.to(x.dtype)
+
+    def modulation(self, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cond [..., W] -> (1 + scale, shift, gate), each [..., W] fp32."""
         w = self.dense.weight  # fp32 under the precision policy, like the condition
         scale, shift, gate = self.dense(cond.to(w.dtype)).float().chunk(3, dim=-1)
-        return (normed * (1.0 + scale) + shift).to(x.dtype), gate.to(x.dtype)
+        return 1.0 + scale, shift, gate
+
+    def modulate(self, x: torch.Tensor, scale1: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """x [..., W] normalised in fp32, then x * (1 + scale) + shift, in x's dtype; one
+        fused kernel on CUDA. scale1, shift [W] fp32."""
+        return rms_norm(x, scale1, self.eps, shift)
 
 
 class GatedMLP(nn.Module):
@@ -51,7 +64,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        """x [N, W] -> [N, W]; GELU and the product are one kernel on CUDA."""
+        return self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x)))
 
 
 class Attention(nn.Module):
@@ -91,13 +105,17 @@ class GemmaLayer(nn.Module):
 class Rope(nn.Module):
     """Rotary embedding in HF's half-split layout (the checkpoints' q/k layout).
 
-    The tables stay fp32 whatever the model dtype: call `reset_tables` after `.to()`."""
+    The tables are stored full width, cos as [cos, cos] and sin as [-sin, sin], so a
+    rotation is x * cos + swap_halves(x) * sin: one kernel on CUDA, 6 torch ops on the CPU
+    instead of 11, and the same bytes as x1 cos - x2 sin | x2 cos + x1 sin (negation and
+    a + (-b) are exact).
+    They stay fp32 whatever the model dtype: call `reset_tables` after `.to()`."""
 
     def __init__(self, head_dim: int, max_pos: int, theta: float):
         super().__init__()
         self.head_dim, self.max_pos, self.theta = head_dim, max_pos, theta
-        self.register_buffer("cos", torch.empty(max_pos, head_dim // 2), persistent=False)
-        self.register_buffer("sin", torch.empty(max_pos, head_dim // 2), persistent=False)
+        self.register_buffer("cos", torch.empty(max_pos, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_pos, head_dim), persistent=False)
         if self.cos.device.type != "meta":
             self.reset_tables()
 
@@ -105,24 +123,25 @@ class Rope(nn.Module):
         d = self.head_dim
         inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         ang = torch.arange(self.max_pos, dtype=torch.float64)[:, None] * inv[None]  # [P, D/2]
+        cos, sin = ang.cos(), ang.sin()
         dev = self.cos.device
-        self.cos = ang.cos().float().to(dev)
-        self.sin = ang.sin().float().to(dev)
+        # float64 until the last cast: the only fp32 bytes allocated are the tables
+        self.cos = torch.cat([cos, cos], dim=-1).float().to(dev)  # [P, D]
+        self.sin = torch.cat([-sin, sin], dim=-1).float().to(dev)
 
     def forward(self, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """x [N, H, D], position [N] -> x rotated, same dtype."""
         return self.rotate(x, self.at(position))
 
     def at(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, 1, D/2] of `position` [N]: gathered once per step, used by every layer."""
+        """cos, sin [N, 1, D] of `position` [N]: gathered once per step, used by every layer."""
         return self.cos[position][:, None, :], self.sin[position][:, None, :]
 
     @staticmethod
     def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [N, H, D] rotated by `at`'s tables, same dtype."""
-        cos, sin = cos_sin
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        """x [N, H, D] rotated by `at`'s tables, same dtype; one kernel on CUDA
+        (kernels/rope.py)."""
+        return rope_rotate(x, *cos_sin)
 
 
 def sinusoidal_time(

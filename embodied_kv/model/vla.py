@@ -30,7 +30,7 @@ from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
 from embodied_kv.model.vision import VisionEncoder
 
-MAX_POSITIONS = 32_768  # RoPE table rows (fp32, 2 x 16 MiB at pi05); bounds arena max_len
+MAX_POSITIONS = 32_768  # RoPE table rows (fp32, full width: 2 x 32 MiB at pi05); bounds max_len
 DENOISE_BUCKETS = (256, 512, 1024, 2048)  # prefix rows the action expert reads
 
 

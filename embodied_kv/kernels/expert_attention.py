@@ -1,0 +1,232 @@
+"""The action expert's attention: H suffix queries over the prefix rows of an arena slot,
+read in place, plus the suffix's own K/V; one joint softmax (pi0.5: the action tokens see
+the whole prefix and each other, bidirectionally).
+
+In torch (`expert_attention_ref`) this is 10 kernels per layer and Euler step (a permuted
+copy of q, two score products, a concatenation, the masked scale, softmax, a cast, two
+value products, a permuted copy back): 1,800 per action at pi05. Here it is one launch.
+
+Grid (cdiv(H, BLOCK_M), Hkv): program (b, h) takes suffix tokens [b*BLOCK_M, (b+1)*BLOCK_M)
+x the GROUP query heads of KV head h as one [BLOCK_M * GROUP_PAD, BLOCK_D] query tile (the
+prefill tile's shape, kernels/prefill_tile.py: 8 tokens x 8 heads at pi05), then runs the
+online softmax over the prefix rows (those whose mask entry is -inf neither loaded nor
+counted: rows past the prefix length in a graph's row bucket) and over the H suffix rows.
+
+Supported range: as the prefill tile (fp32 / bf16 / fp16, D <= 256, group <= 32, any strides
+with a contiguous last dim). Precondition not checked (a check would sync the device): the
+mask admits prefix row 0 (a prefix has at least one row).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
+from embodied_kv.kernels.triton_base import (
+    LOG2E,
+    MAX_GROUP,
+    MAX_HEAD_DIM,
+    Launch,
+    tl,
+    triton,
+)
+
+
+def expert_attention_ref(q, kp, vp, ks, vs, scale: float, bias: torch.Tensor) -> torch.Tensor:
+    """Joint softmax over prefix rows and suffix tokens, without concatenating the prefix
+    (LeRobot copies it every step; here it is read in place).
+
+    Dtypes as LeRobot's eager attention under bf16: the score and value products in the
+    model dtype (fp32 accumulation on the GPU), the masked softmax in fp32; the prefix K/V
+    are never cast (an fp32 copy of them was 1.3 GB per action at pi05).
+
+    q [H, Hq, D]; kp, vp [P, Hkv, D]; ks, vs [H, Hkv, D]; bias [P + H] fp32 (0 / -inf)
+    -> [H, Hq, D] in q.dtype."""
+    h_len, hq, d = q.shape
+    hkv = kp.shape[1]
+    g = hq // hkv
+    n_p = kp.shape[0]
+    qg = q.view(h_len, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, h_len * g, d)
+    sp = torch.matmul(qg, kp.permute(1, 2, 0))  # [Hkv, H*g, P]
+    ss = torch.matmul(qg, ks.permute(1, 2, 0))  # [Hkv, H*g, H]
+    # bias + scale * s: masks, scales and (under bf16) casts to fp32 in one kernel
+    p = torch.softmax(torch.add(bias, torch.cat([sp, ss], dim=-1), alpha=scale), dim=-1)
+    p = p.to(q.dtype)
+    o = torch.matmul(p[..., n_p:], vs.permute(1, 0, 2))  # [Hkv, H*g, D]
+    o = torch.baddbmm(o, p[..., :n_p], vp.permute(1, 0, 2))
+    return o.view(hkv, h_len, g, d).permute(1, 0, 2, 3).reshape(h_len, hq, d)
+
+
+if triton is not None:
+    from embodied_kv.kernels.triton_base import attend_block, load_kv_block
+
+    @triton.jit
+    def _expert_attention_fwd(
+        q_ptr,  # [H, Hq, D] suffix queries
+        kp_ptr,  # [P, Hkv, D] prefix keys: a slot's rows of one arena layer, in place
+        vp_ptr,  # [P, Hkv, D] prefix values
+        ks_ptr,  # [H, Hkv, D] suffix keys
+        vs_ptr,  # [H, Hkv, D] suffix values
+        bias_ptr,  # [P + H] fp32 mask: 0 (attend) or -inf; only the prefix part is read
+        out_ptr,  # [H, Hq, D] output
+        h_len,  # H
+        n_prefix,  # P
+        qk_scale,  # softmax scale * log2(e)
+        stride_qn,  # q stride over tokens (elements)
+        stride_qh,  # q stride over heads
+        stride_kpt,  # prefix k stride over rows
+        stride_kph,  # prefix k stride over kv heads
+        stride_vpt,  # prefix v stride over rows
+        stride_vph,  # prefix v stride over kv heads
+        stride_kst,  # suffix k stride over tokens
+        stride_ksh,  # suffix k stride over kv heads
+        stride_vst,  # suffix v stride over tokens
+        stride_vsh,  # suffix v stride over kv heads
+        stride_on,  # out stride over tokens
+        stride_oh,  # out stride over heads
+        GROUP: tl.constexpr,  # Hq // Hkv
+        GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+        BLOCK_M: tl.constexpr,  # suffix tokens per tile; BLOCK_M * GROUP_PAD >= 16
+        HEAD_DIM: tl.constexpr,  # D
+        BLOCK_D: tl.constexpr,  # D rounded up to a power of two >= 16
+        BLOCK_N: tl.constexpr,  # keys per online-softmax step
+        SPLIT_P: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        # tile row r = (suffix token r // GROUP_PAD, query head r % GROUP_PAD of KV head h)
+        kv_head = tl.program_id(1).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_M * GROUP_PAD)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        tok = tl.program_id(0).to(tl.int64) * BLOCK_M + offs_r // GROUP_PAD
+        g = offs_r % GROUP_PAD
+        mask_d = offs_d < HEAD_DIM
+        live = ((tok < h_len) & (g < GROUP))[:, None] & mask_d[None, :]  # [ROWS, BLOCK_D]
+        heads = kv_head * GROUP + g
+        q = tl.load(
+            q_ptr + tok[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=live,
+            other=0.0,
+        )  # padded rows see q = 0: finite scores, no NaN
+        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
+        kp_base = kp_ptr + kv_head * stride_kph
+        vp_base = vp_ptr + kv_head * stride_vph
+        for block in range(0, n_prefix, BLOCK_N):  # the prefix: row 0 admitted, see header
+            rows = block + offs_n
+            b = tl.load(bias_ptr + rows, mask=rows < n_prefix, other=float("-inf"))
+            # masked rows are not even loaded: whatever a bucket's tail holds (stale rows of a
+            # language request, NaN) stays out of both products
+            admitted = b == 0.0  # [BLOCK_N]
+            k = tl.load(
+                kp_base + rows[None, :] * stride_kpt + offs_d[:, None],
+                mask=admitted[None, :] & mask_d[:, None],
+                other=0.0,
+            )  # [BLOCK_D, BLOCK_N]
+            v = tl.load(
+                vp_base + rows[:, None] * stride_vpt + offs_d[None, :],
+                mask=admitted[:, None] & mask_d[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            m_i, l_i, acc = attend_block(
+                q, k, v, admitted[None, :], m_i, l_i, acc, qk_scale,
+                SPLIT_P, DOT_IN_FP32, INPUT_PRECISION,
+            )  # fmt: skip
+        ks_base = ks_ptr + kv_head * stride_ksh
+        vs_base = vs_ptr + kv_head * stride_vsh
+        for block in range(0, h_len, BLOCK_N):  # the suffix, bidirectional
+            rows = block + offs_n
+            k, v = load_kv_block(
+                ks_base, vs_base, rows, h_len, offs_d, mask_d, stride_kst, stride_vst
+            )
+            valid = (rows < h_len)[None, :]
+            m_i, l_i, acc = attend_block(
+                q, k, v, valid, m_i, l_i, acc, qk_scale, SPLIT_P, DOT_IN_FP32, INPUT_PRECISION
+            )
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=live,
+        )
+
+
+def plan_expert_attention(q, kp, vp, ks, vs, scale: float, bias, out) -> Launch:
+    """The one launch of an expert attention call (inputs already validated)."""
+    h_len, hq, d = q.shape
+    hkv = kp.shape[1]
+    group = hq // hkv
+    cfg = tile_config(q.dtype, group)
+    name = (
+        f"expert_attention {str(q.dtype).removeprefix('torch.')} D={d} group={group} "
+        f"block_m={cfg.block_m} block_n={cfg.block_n}"
+    )
+    return Launch(
+        name=name,
+        kernel=_expert_attention_fwd,
+        grid=(-(-h_len // cfg.block_m), hkv),
+        args=(
+            q,
+            kp,
+            vp,
+            ks,
+            vs,
+            bias,
+            out,
+            h_len,
+            kp.shape[0],
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            kp.stride(0),
+            kp.stride(1),
+            vp.stride(0),
+            vp.stride(1),
+            ks.stride(0),
+            ks.stride(1),
+            vs.stride(0),
+            vs.stride(1),
+            out.stride(0),
+            out.stride(1),
+        ),  # fmt: skip
+        constexprs=tile_constexprs(cfg, group, d, q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def expert_attention_kernel(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tensor:
+    """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("the expert attention kernel needs triton, which is not installed")
+    h_len, hq, d = q.shape
+    n_p, hkv = kp.shape[0], kp.shape[1]
+    if d > MAX_HEAD_DIM or hq % hkv or hq // hkv > MAX_GROUP:
+        raise RuntimeError(
+            f"expert attention kernel: head_dim {d} (<= {MAX_HEAD_DIM}), heads {hq} / {hkv} "
+            f"(a group <= {MAX_GROUP}) unsupported"
+        )
+    shapes = {"kp": kp, "vp": vp, "ks": ks, "vs": vs}
+    want = {"kp": (n_p, hkv, d), "vp": (n_p, hkv, d), "ks": (h_len, hkv, d), "vs": (h_len, hkv, d)}
+    for name, t in shapes.items():
+        if tuple(t.shape) != want[name] or t.dtype != q.dtype or t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: expected {q.dtype} {want[name]} with a contiguous last dim, got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+    if bias.shape != (n_p + h_len,) or bias.dtype != torch.float32:
+        raise ValueError(
+            f"bias: expected fp32 [{n_p + h_len}], got {bias.dtype} {tuple(bias.shape)}"
+        )
+    out = torch.empty(h_len, hq, d, dtype=q.dtype, device=q.device)
+    plan_expert_attention(q, kp, vp, ks, vs, scale, bias, out).run()
+    return out
+
+
+def expert_attention(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
+    if q.is_cuda:
+        return expert_attention_kernel(q, kp, vp, ks, vs, scale, bias)
+    return expert_attention_ref(q, kp, vp, ks, vs, scale, bias)

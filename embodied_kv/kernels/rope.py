@@ -1,0 +1,114 @@
+"""Rotary embedding (HF half-split layout) as one kernel.
+
+    out = x * cos + swap_halves(x) * sin      cos = [c, c], sin = [-s, s] per position
+
+In torch this is 6 kernels (cast up, swap, two products, sum, cast down) per rotated
+tensor; the action expert rotates its q and k in every layer of every Euler step (pi05:
+~1,000 kernels per action). Here one program rotates every head of one token in fp32
+registers, reading the swapped half by its offset instead of materialising it.
+
+Supported range: x [N, H, D] fp32, bf16 or fp16, any token and head strides with a
+contiguous last dim, D even and <= 256, H <= 64; cos / sin [N, 1, D] fp32 (`Rope.at`).
+`rope_ref` is the model's torch code: the CPU runs it, so CPU bytes are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embodied_kv.kernels.triton_base import INTERPRETED, Launch, pow2, tl, triton
+
+MAX_HEAD_DIM = 256
+MAX_HEADS = 64
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] rotated by full-width tables cos, sin [N, 1, D] (fp32), x's dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + swapped * sin).to(x.dtype)
+
+
+if triton is not None:
+    from embodied_kv.kernels.triton_base import round_bf16
+
+    @triton.jit
+    def _rope_fwd(
+        x_ptr,  # [N, H, D] input
+        cos_ptr,  # [N, 1, D] fp32 [c, c] per token
+        sin_ptr,  # [N, 1, D] fp32 [-s, s] per token
+        out_ptr,  # [N, H, D] contiguous output, x's dtype
+        n_heads,  # H
+        stride_xn,  # x stride over tokens (elements)
+        stride_xh,  # x stride over heads
+        stride_cn,  # cos / sin stride over tokens
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,  # H rounded up to a power of two
+        BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+        ROUND_BF16: tl.constexpr,  # round to nearest even by hand (the interpreter truncates)
+    ):
+        tok = tl.program_id(0)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        mask = (offs_h[:, None] < n_heads) & mask_d[None, :]
+        swap_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+        base = x_ptr + tok * stride_xn + offs_h[:, None] * stride_xh
+        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        xs = tl.load(base + swap_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
+        sin = tl.load(sin_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
+        y = x * cos[None, :] + xs * sin[None, :]
+        y = round_bf16(y, ROUND_BF16)
+        out = out_ptr + tok * n_heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def plan_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> Launch:
+    """The one launch of a rotation: grid (N,), one token's H x D values per program."""
+    n, h, d = x.shape
+    return Launch(
+        name=f"rope {str(x.dtype).removeprefix('torch.')} H={h} D={d}",
+        kernel=_rope_fwd,
+        grid=(n,),
+        args=(x, cos, sin, out, h, x.stride(0), x.stride(1), cos.stride(0)),
+        constexprs={
+            "HEAD_DIM": d,
+            "BLOCK_H": pow2(h, 1),
+            "BLOCK_D": pow2(d),
+            "ROUND_BF16": INTERPRETED and out.dtype == torch.bfloat16,
+        },
+        num_warps=4,
+        num_stages=1,
+    )
+
+
+def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("the RoPE kernel needs triton, which is not installed")
+    n, h, d = x.shape
+    if d % 2 or d > MAX_HEAD_DIM or h > MAX_HEADS or x.stride(-1) != 1:
+        raise RuntimeError(
+            f"rope kernel: head_dim {d} (even, <= {MAX_HEAD_DIM}), heads {h} (<= {MAX_HEADS}) "
+            "and a contiguous last dim needed"
+        )
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must be fp32 [{n}, 1, {d}] with a contiguous last dim, got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos and sin strides differ: {cos.stride(0)} vs {sin.stride(0)}")
+    out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
+    plan_rope(x, cos, sin, out).run()
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
+    if x.is_cuda:
+        return rope_kernel(x, cos, sin)
+    return rope_ref(x, cos, sin)

@@ -1,0 +1,67 @@
+"""Expert attention kernel (kernels/expert_attention.py) vs `expert_attention_ref`,
+interpreter on CPU: suffix lengths that end mid-tile, prefixes masked past their length
+(a graph's row bucket), prefix rows read in place from a strided arena slot."""
+
+import pytest
+import torch
+
+from embodied_kv.kernels.expert_attention import expert_attention_kernel, expert_attention_ref
+
+from .conftest import DEVICE, FP32_TOL, HEADS, LOW_PRECISION_FACTOR
+
+# (suffix tokens H, prefix rows read P, prefix length <= P): exact prefix, masked bucket
+CASES = {"exact": (10, 37, 37), "bucket": (13, 64, 41), "one_row": (3, 16, 1)}
+
+
+def inputs(case, heads, dtype=torch.float32, seed=0):
+    h_len, n_rows, plen = CASES[case]
+    hq, hkv, d = heads
+    g = torch.Generator().manual_seed(seed)
+    arena_k = torch.randn(3, n_rows + 5, hkv, d, generator=g)  # [S, T, Hkv, D]
+    arena_v = torch.randn(3, n_rows + 5, hkv, d, generator=g)
+    arena_k[1, plen:] = float("nan")  # rows past the prefix: masked, never let through
+    arena_v[1, plen:] = float("nan")
+    q = torch.randn(h_len, hq, d, generator=g)
+    ks, vs = torch.randn(2, h_len, hkv, d, generator=g)
+    bias = torch.zeros(n_rows + h_len)
+    bias[plen:n_rows] = float("-inf")
+    to = {"dtype": dtype, "device": DEVICE}
+    kp, vp = arena_k.to(**to)[1, :n_rows], arena_v.to(**to)[1, :n_rows]  # views
+    return q.to(**to), kp, vp, ks.to(**to), vs.to(**to), d**-0.5, bias.to(DEVICE)
+
+
+def finite_ref(q, kp, vp, ks, vs, scale, bias):
+    """The reference with masked rows zeroed (a -inf score times a NaN value is NaN in the
+    torch reference; the kernel never loads a masked row into a product that counts)."""
+    keep = (bias[: kp.shape[0]] == 0)[:, None, None]
+    zero = torch.zeros((), dtype=kp.dtype, device=kp.device)
+    kp, vp = torch.where(keep, kp, zero), torch.where(keep, vp, zero)
+    return expert_attention_ref(q, kp, vp, ks, vs, scale, bias)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads", ["mqa4", "gqa3", "pi05"])
+def test_kernel_matches_reference_fp32(kernel, case, heads):
+    args = inputs(case, HEADS[heads])
+    out = expert_attention_kernel(*args)
+    assert out.shape == args[0].shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out, finite_ref(*args), atol=FP32_TOL, rtol=FP32_TOL)
+
+
+@pytest.mark.parametrize("case", ["exact", "bucket"])
+def test_kernel_low_precision(kernel, case):
+    q, kp, vp, ks, vs, scale, bias = inputs(case, HEADS["pi05"], torch.bfloat16, seed=1)
+    exact = finite_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale, bias)
+    ref_err = (finite_ref(q, kp, vp, ks, vs, scale, bias).float() - exact).abs().max()
+    out = expert_attention_kernel(q, kp, vp, ks, vs, scale, bias)
+    assert out.dtype == torch.bfloat16
+    err = (out.float() - exact).abs().max()
+    assert err <= LOW_PRECISION_FACTOR * ref_err, f"kernel {err:.3g} vs reference {ref_err:.3g}"
+
+
+def test_bad_inputs_are_refused(kernel):
+    q, kp, vp, ks, vs, scale, bias = inputs("exact", HEADS["mqa4"])
+    with pytest.raises(ValueError, match="bias"):
+        expert_attention_kernel(q, kp, vp, ks, vs, scale, bias[:-1])
+    with pytest.raises(ValueError, match="ks"):
+        expert_attention_kernel(q, kp, vp, ks[:-1], vs, scale, bias)
