@@ -158,8 +158,17 @@ def test_service_roundtrip(ros, srv_type, make_request, make_response):
             setattr(resp, field, getattr(response, field))
         return resp
 
-    ros.participant().node("roundtrip_server").create_service(srv_type, name, serve)
+    server = ros.participant().node("roundtrip_server")
+    server.create_service(srv_type, name, serve)
     client = ros.participant().node("roundtrip_client").create_client(srv_type, name)
+    # wait_for_service sees the server from the client's side only. Fast DDS drops a response
+    # ("failed to send response (timeout)") when the server has not yet discovered the
+    # client's reply reader, which happened here under load; so wait for that direction too.
+    reply_topic = f"rr{name}Reply"
+    ros.wait_until(
+        lambda: server.get_subscriptions_info_by_topic(reply_topic, no_mangle=True),
+        f"the server to discover the client's reply reader on {reply_topic}",
+    )
     answer = ros.call(client, request)
     assert len(served) == 1
     assert_same(srv_type.Request, request, served[0])
