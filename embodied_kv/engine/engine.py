@@ -29,6 +29,7 @@ from embodied_kv.engine.faults import CycleFaults
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.graphs import GraphRunner, default_mode
 from embodied_kv.engine.history import EPISODE_START, StepHistory, check_client_name
+from embodied_kv.engine.loading import load_model
 from embodied_kv.engine.observation_state import (
     check_observation,
     load_observation,
@@ -50,12 +51,11 @@ from embodied_kv.kv.manager import KVCacheManager, Status, TaskKind
 from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.action_tokens import (
     ActionTokenConfig,
-    action_model_config,
     make_action_tokenizer,
 )
 from embodied_kv.model.config import ModelConfig, get_preset
-from embodied_kv.model.robot_loader import RobotSpec, find_tokenizer, load_robot_io
-from embodied_kv.model.vla import Observation, build_model
+from embodied_kv.model.robot_loader import RobotSpec, load_robot_io
+from embodied_kv.model.vla import Observation
 from embodied_kv.timing import device_clock, elapsed_ms
 
 __all__ = ["EPISODE_START", "Engine", "EngineConfig", "check_client_name"]
@@ -444,32 +444,3 @@ def arena_rows(cfg: EngineConfig, model: ModelConfig, loop: LoopConfig) -> int:
             f"set max_len to {needed} or more, or 0 (auto)"
         )
     return cfg.max_len
-
-
-def load_model(cfg: EngineConfig):
-    tokenizer = cfg.tokenizer or find_tokenizer(cfg.weights)
-    model_cfg = get_preset(cfg.preset)
-    if cfg.action_mode == "ar":  # room for the action ids (tiny grows, pi05 has it)
-        model_cfg = action_model_config(model_cfg, cfg.ar.n_action_ids())
-    model = build_model(model_cfg, cfg.device, tokenizer_path=tokenizer)
-    if cfg.weights:
-        load_weights_file(model, cfg.weights)
-    return model
-
-
-def load_weights_file(model, path: str) -> None:
-    """The package's own layout when the file says so, else the public pi0.5 layout."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    from embodied_kv.model.checkpoint import load_pi05_checkpoint
-    from embodied_kv.model.weights import FORMAT, load_weights
-
-    p = Path(path)
-    if p.is_file():
-        with safe_open(str(p), framework="pt") as f:
-            if (f.metadata() or {}).get("format") == FORMAT:
-                load_weights(model, p)
-                return
-    load_pi05_checkpoint(model, p)
