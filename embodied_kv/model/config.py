@@ -67,7 +67,8 @@ class ModelConfig:
     denoise_steps: int = 10  # Euler steps from t=1 to t=0
     time_min_period: float = 4e-3  # openpi: sinusoidal time embedding
     time_max_period: float = 4.0
-    tokenizer: str = "gemma"  # "bytes" (no download) or "gemma" (SentencePiece from a path)
+    tokenizer: str = "gemma"  # "bytes" (no download), "gemma" (SentencePiece from a path) or
+    # "words" (train/tokenizer.py: the world's closed vocabulary, tokenizer.json from a path)
     seed: int = 0  # random init
 
     def __post_init__(self):

@@ -46,6 +46,31 @@ class GemmaTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
+class WordTokenizer:
+    """A word-level `tokenizers` file (train/tokenizer.py builds one over the world's
+    closed vocabulary): words and punctuation are ids, whitespace is not kept, so
+    decode joins words with single spaces."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"word tokenizer file {path} does not exist")
+        self._tok = Tokenizer.from_file(str(path))
+        ids = {t: self._tok.token_to_id(t) for t in ("[BOS]", "[EOS]", "[PAD]")}
+        if None in ids.values():
+            raise ValueError(f"{path}: needs [BOS], [EOS] and [PAD] tokens, has {ids}")
+        self.bos_id, self.eos_id, self.pad_id = ids["[BOS]"], ids["[EOS]"], ids["[PAD]"]
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([self.bos_id] if bos else []) + self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
 def make_tokenizer(kind: str, path: str | Path | None = None):
     """`gemma` without a path falls back to bytes (random-weight speed runs of pi05:
     the ids are valid, the text is not language) and says so."""
@@ -60,7 +85,11 @@ def make_tokenizer(kind: str, path: str | Path | None = None):
             )
             return ByteTokenizer()
         return GemmaTokenizer(path)
-    raise ValueError(f"unknown tokenizer {kind!r}; use 'bytes' or 'gemma'")
+    if kind == "words":
+        if path is None:
+            raise ValueError("the words tokenizer needs its tokenizer.json path")
+        return WordTokenizer(path)
+    raise ValueError(f"unknown tokenizer {kind!r}; use 'bytes', 'gemma' or 'words'")
 
 
 def discretize_state(state: np.ndarray, bins: int = 256) -> np.ndarray:

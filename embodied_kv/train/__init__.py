@@ -1,0 +1,1 @@
+"""Training the VLA on the synthetic world (torch): tokenizer, batches, losses, loop."""

@@ -1,0 +1,53 @@
+"""pi0.5's training losses on one batch: next-token cross-entropy on the text targets
+and flow matching for the action expert.
+
+Flow matching (openpi pi0.py `compute_loss`): x_t = t * noise + (1 - t) * actions,
+target velocity u = noise - actions, t ~ Beta(1.5, 1) * 0.999 + 0.001 (openpi
+`sample_time`: more weight near t = 1, the noisy end); loss = mean (v - u)^2. The
+engine integrates dx/dt = v from t = 1 to 0 (model/expert.py), which this trains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from embodied_kv.train.batch import IGNORE, Batch
+from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
+
+BETA_A, BETA_B = 1.5, 1.0  # openpi sample_time
+
+
+@dataclass
+class Losses:
+    total: torch.Tensor
+    text: float
+    flow: float
+    text_acc: float  # share of target tokens predicted right (greedy), teacher-forced
+
+
+def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
+    """openpi: beta(1.5, 1) * 0.999 + 0.001 -> [b]. Drawn through the inverse CDF of
+    Beta(a, 1) (u ** (1 / a)) so the seeded generator decides it."""
+    u = torch.rand(b, generator=generator)
+    return u.pow(1.0 / BETA_A) * 0.999 + 0.001
+
+
+def compute_losses(
+    model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0
+) -> Losses:
+    out = backbone_forward(model, batch)
+    rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
+    logits = text_logits(model, out, rows, cols)  # [N, V]
+    targets = batch.labels[rows, cols]
+    text = F.cross_entropy(logits, targets)
+    acc = (logits.argmax(-1) == targets).float().mean()
+    actions = batch.actions
+    noise = torch.randn(actions.shape, generator=generator)
+    t = sample_time(actions.shape[0], generator)
+    tt = t[:, None, None]
+    x_t = tt * noise + (1 - tt) * actions
+    v = expert_velocity(model, out, x_t, t)
+    flow = F.mse_loss(v, noise - actions)
+    return Losses(text + flow_weight * flow, float(text), float(flow), float(acc))

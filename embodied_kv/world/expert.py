@@ -1,0 +1,55 @@
+"""The scripted expert: a reactive pick-and-place controller, and its action chunks.
+
+A chunk is the controller run forward on a copy of the scene (the physics is
+deterministic), so chunk step k is what the expert would command k steps ahead."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embodied_kv.world.scene import ACTION_DIM, LOW_Z, Scene
+from embodied_kv.world.tasks import PutTask
+
+HIGH_Z = 1.0
+ON_TARGET = 0.04  # xy distance that counts as over a target
+
+
+def expert_action(scene: Scene, task: PutTask) -> tuple[np.ndarray, str]:
+    """-> (action [ACTION_DIM], phase) with phase one of
+    moves / lowers / grasps / carries / releases / done (the narration's verb)."""
+    a = scene.arm
+    act = np.zeros(ACTION_DIM)
+    if task.success(scene):
+        act[:4] = (a.x, a.y, HIGH_Z, -1.0)
+        return act, "done"
+    if a.holding == task.movable:
+        c = scene.get(task.container)
+        if np.hypot(c.x - a.x, c.y - a.y) > ON_TARGET:
+            act[:4] = (c.x, c.y, HIGH_Z, 1.0)
+            return act, "carries"
+        act[:4] = (c.x, c.y, a.z, -1.0)
+        return act, "releases"
+    m = scene.get(task.movable)
+    if a.holding is not None or a.closed:  # holding the wrong thing, or closed on nothing
+        act[:4] = (a.x, a.y, HIGH_Z, -1.0)
+        return act, "moves"
+    if np.hypot(m.x - a.x, m.y - a.y) > ON_TARGET:
+        act[:4] = (m.x, m.y, HIGH_Z if a.z > LOW_Z else a.z + 0.5, -1.0)
+        return act, "moves"
+    if a.z > LOW_Z:
+        act[:4] = (m.x, m.y, -1.0, -1.0)
+        return act, "lowers"
+    act[:4] = (m.x, m.y, -1.0, 1.0)
+    return act, "grasps"
+
+
+def expert_chunk(scene: Scene, task: PutTask, horizon: int) -> np.ndarray:
+    """The next `horizon` expert actions -> [horizon, ACTION_DIM]; `scene` is not changed."""
+    if horizon < 1:
+        raise ValueError(f"horizon {horizon} must be >= 1")
+    sim = scene.copy()
+    out = np.zeros((horizon, ACTION_DIM))
+    for k in range(horizon):
+        out[k], _ = expert_action(sim, task)
+        sim.step(out[k])
+    return out

@@ -1,0 +1,88 @@
+"""Memory facts that change over time, and planning queries across them.
+
+A stream of facts about containers (where they are, open or closed) and movables (which
+container holds them); later facts supersede earlier ones. Queries:
+
+    one hop : 'where is the red box ?'  -> the place in the latest fact about the red box
+              'is the red box open ?'   -> yes / no
+    two hops: 'where is the key ?'      -> the key's container -> that container's place
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
+
+CHANCE = {"one_hop": 1 / len(PLACES), "two_hop": 1 / len(PLACES)}  # place answers
+
+
+@dataclass(frozen=True)
+class MemoryQuery:
+    hops: int
+    facts: tuple[str, ...]  # in the order they arrived
+    query: str
+    answer: str
+
+    @property
+    def prompt(self) -> str:
+        """The plan request's text, appended after a frame's prefix (TaskKind.PLAN)."""
+        return f"\nFacts: {' '.join(self.facts)}\nQuery: {self.query}\nAnswer: "
+
+
+def fact_stream(rng: np.random.Generator, n_containers: int, n_movables: int, n_updates: int):
+    """-> (facts in arrival order, final places {container: place}, final holder
+    {movable: container}). Every container gets a place fact first, every movable a
+    container fact; then `n_updates` random moves (containers change place, movables
+    change container, containers open or close)."""
+    containers = _names(rng, CONTAINERS, n_containers)
+    movables = _names(rng, MOVABLES, n_movables)
+    place = {c: PLACES[rng.integers(len(PLACES))] for c in containers}
+    holder = {m: containers[rng.integers(len(containers))] for m in movables}
+    facts = [f"the {c} is on the {place[c]} ." for c in containers]
+    facts += [f"the {m} is in the {holder[m]} ." for m in movables]
+    order = rng.permutation(len(facts))
+    facts = [facts[i] for i in order]
+    for _ in range(n_updates):
+        r = rng.random()
+        if r < 0.5:
+            c = containers[rng.integers(len(containers))]
+            place[c] = PLACES[rng.integers(len(PLACES))]
+            facts.append(f"the {c} is on the {place[c]} .")
+        elif r < 0.8:
+            m = movables[rng.integers(len(movables))]
+            holder[m] = containers[rng.integers(len(containers))]
+            facts.append(f"the {m} is in the {holder[m]} .")
+        else:
+            c = containers[rng.integers(len(containers))]
+            facts.append(f"the {c} is {'open' if rng.random() < 0.5 else 'closed'} .")
+    return facts, place, holder
+
+
+def sample_query(
+    rng: np.random.Generator,
+    hops: int,
+    n_containers: int = 2,
+    n_movables: int = 2,
+    n_updates: int = 1,
+) -> MemoryQuery:
+    """A fact stream and a query needing `hops` (1 or 2) lookups into it."""
+    if hops not in (1, 2):
+        raise ValueError(f"hops={hops}; only 1 and 2 are defined")
+    facts, place, holder = fact_stream(rng, n_containers, n_movables, n_updates)
+    if hops == 1:
+        c = sorted(place)[rng.integers(len(place))]
+        return MemoryQuery(1, tuple(facts), f"where is the {c} ?", place[c])
+    m = sorted(holder)[rng.integers(len(holder))]
+    return MemoryQuery(2, tuple(facts), f"where is the {m} ?", place[holder[m]])
+
+
+def _names(rng: np.random.Generator, shapes: tuple[str, ...], n: int) -> list[str]:
+    if n > len(shapes) * len(COLOURS):
+        raise ValueError(f"{n} distinct objects of {shapes} do not exist")
+    names: set[str] = set()
+    while len(names) < n:
+        names.add(f"{COLOURS[rng.integers(len(COLOURS))]} {shapes[rng.integers(len(shapes))]}")
+    return sorted(names)
