@@ -3,6 +3,8 @@
     embodied-kv demo [--seconds N] [--config PATH] [--preset NAME]
     embodied-kv bench NAME [ARGS...]     # runs embodied_kv.bench.NAME.main(ARGS)
     embodied-kv gpu-check [ARGS...]      # tests + pi05 benchmarks on CUDA (gpu_check.py)
+    embodied-kv train [--steps N] [--minutes M] [--out DIR] [--seed S]
+    embodied-kv eval world [--weights PATH] [--episodes N] [--json PATH]
 
 Imports nothing from ROS until `demo` runs, so `bench` works without rclpy.
 """
@@ -80,6 +82,30 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     return gpu_check.main(list(args.args))
 
 
+def run_train(args: argparse.Namespace) -> int:
+    from embodied_kv.train.loop import TrainConfig, train
+
+    cfg = TrainConfig(
+        out=args.out, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr,
+        seed=args.seed, ckpt_every=args.ckpt_every,
+    )  # fmt: skip
+    records = train(cfg)
+    last = records[-1] if records else {}
+    print(f"trained {len(records)} steps -> {args.out}; last {last}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from embodied_kv.eval import world
+
+    suites = {"world": world.main}
+    if args.suite not in suites:
+        print(f"embodied-kv eval: no suite {args.suite!r}; known: {sorted(suites)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return int(suites[args.suite](list(args.args)) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="embodied-kv", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -102,6 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gpu.add_argument("args", nargs=argparse.REMAINDER, help="see embodied_kv/gpu_check.py")
     gpu.set_defaults(run=run_gpu_check)
+
+    tr = commands.add_parser("train", help="train the tiny VLA on the synthetic world")
+    tr.add_argument("--out", default="out/train", help="weights.safetensors + tokenizer.json")
+    tr.add_argument("--steps", type=int, default=0, help="0: until --minutes runs out")
+    tr.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget (0: none)")
+    tr.add_argument("--batch", type=int, default=16)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--ckpt-every", type=int, default=200)
+    tr.set_defaults(run=run_train)
+
+    ev = commands.add_parser("eval", help="behavioural evaluation (`eval world`), no ROS")
+    ev.add_argument("suite", help="world")
+    ev.add_argument("args", nargs=argparse.REMAINDER, help="passed to the suite's main")
+    ev.set_defaults(run=run_eval)
     return parser
 
 

@@ -50,4 +50,5 @@ def compute_losses(
     x_t = tt * noise + (1 - tt) * actions
     v = expert_velocity(model, out, x_t, t)
     flow = F.mse_loss(v, noise - actions)
-    return Losses(text + flow_weight * flow, float(text), float(flow), float(acc))
+    total = text + flow_weight * flow
+    return Losses(total, float(text.detach()), float(flow.detach()), float(acc))

@@ -1,0 +1,1 @@
+"""Behavioural evaluation (no ROS): the model acting and answering through the engine."""

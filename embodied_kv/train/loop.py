@@ -1,0 +1,133 @@
+"""`embodied-kv train`: the tiny VLA trained pi0.5-style on world samples.
+
+Seeded end to end: sample i of step s is world sample `data_seed(seed, s, i)`, the
+noise and flow times come from one generator seeded with `seed`, init from cfg.seed.
+Checkpoints are the package's own safetensors layout, written atomically."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from embodied_kv.model.vla import build_model
+from embodied_kv.model.weights import save_weights
+from embodied_kv.train.batch import make_batch
+from embodied_kv.train.losses import compute_losses
+from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
+from embodied_kv.world.dataset import DataConfig, make_sample
+
+TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
+EVAL_SEED_BASE = 2**48  # held-out world seeds (eval/world.py) lie above every training seed
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: str = "out/train"  # directory: weights.safetensors, tokenizer.json, train_log.jsonl
+    preset: str = "tiny"
+    steps: int = 0  # optimiser steps; 0 = until `minutes` runs out
+    minutes: float = 0.0  # wall-clock budget; 0 = until `steps`
+    batch: int = 16
+    lr: float = 1e-3  # AdamW peak, linear warmup then cosine to 10%
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    flow_weight: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    ckpt_every: int = 200
+    threads: int = 1
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        if self.steps < 0 or self.minutes < 0 or (self.steps == 0 and self.minutes == 0):
+            raise ValueError(f"give steps > 0 or minutes > 0 (steps={self.steps}, "
+                             f"minutes={self.minutes})")  # fmt: skip
+        if self.batch < 1 or self.lr <= 0 or self.log_every < 1 or self.ckpt_every < 1:
+            raise ValueError(f"bad train config: {self}")
+        if not 0 <= self.seed < 2**15:
+            raise ValueError(f"seed {self.seed} must be in [0, 32768)")
+
+
+def data_seed(seed: int, step: int, i: int, batch: int) -> int:
+    return seed * TRAIN_SEED_STRIDE + step * batch + i
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
+    """Run the training; returns the logged records (also in out/train_log.jsonl)."""
+    torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_path = save_tokenizer(out / TOKENIZER_FILE)
+    mcfg = world_config(cfg.preset, cfg.seed)
+    data = DataConfig(**{**vars(cfg.data), "image_size": mcfg.vision.image_size,
+                         "horizon": mcfg.action_horizon})  # fmt: skip
+    model = build_model(mcfg, "cpu", tokenizer_path=str(tok_path))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    log_path = out / "train_log.jsonl"
+    log_path.write_text("")
+    records: list[dict] = []
+    start = time.perf_counter()
+    total = cfg.steps or 10**9
+    bar = tqdm(total=cfg.steps or None, disable=not progress, unit="step", dynamic_ncols=True)
+    step = 0
+    while step < total:
+        elapsed = time.perf_counter() - start
+        if cfg.minutes and elapsed >= 60 * cfg.minutes:
+            break
+        if not cfg.steps and step == 5:  # time budget only: estimate the steps it allows
+            total = max(step + 1, int(60 * cfg.minutes / (elapsed / step)))
+            bar.total = total
+        samples = [make_sample(data, data_seed(cfg.seed, step, i, cfg.batch))
+                   for i in range(cfg.batch)]  # fmt: skip
+        batch = make_batch(samples, model.tokenizer, mcfg)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step, total)
+        losses = compute_losses(model, batch, gen, cfg.flow_weight)
+        opt.zero_grad(set_to_none=True)
+        losses.total.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        rec = {"step": step, "loss": float(losses.total), "text": losses.text,
+               "flow": losses.flow, "text_acc": losses.text_acc,
+               "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
+        records.append(rec)
+        if step % cfg.log_every == 0:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", text=f"{rec['text']:.3f}",
+                        flow=f"{rec['flow']:.3f}", acc=f"{rec['text_acc']:.2f}")  # fmt: skip
+        step += 1
+        if step % cfg.ckpt_every == 0:
+            save_checkpoint(model, out)
+    bar.close()
+    save_checkpoint(model, out)
+    return records
+
+
+def save_checkpoint(model, out: Path) -> Path:
+    """weights.safetensors in the own layout, renamed into place (a crash leaves the
+    previous checkpoint whole)."""
+    path = out / WEIGHTS_FILE
+    model.eval()
+    save_weights(model, path)
+    model.train()
+    return path
+
