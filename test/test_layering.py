@@ -47,3 +47,20 @@ def test_package_imports_ros_only_in_ros_layer():
 
 def test_tests_import_ros_only_in_test_ros():
     assert offenders("test", "test/ros", ROS_MODULES) == []
+
+
+WORLD_ALLOWED = {"numpy", "embodied_kv.world", "__future__", "copy", "dataclasses", "re"}
+
+
+def test_world_is_numpy_only():
+    """DESIGN §2: world/ is the synthetic tabletop in numpy: no torch, no rclpy, nothing
+    of the model or engine (so the demo's robot and any tool can use it)."""
+    found = []
+    for path in sorted((ROOT / "embodied_kv" / "world").rglob("*.py")):
+        bad = sorted(
+            n for n in imported_modules(path)
+            if not any(is_under(n, {root}) for root in WORLD_ALLOWED)
+        )  # fmt: skip
+        if bad:
+            found.append(f"{path.relative_to(ROOT)}: {', '.join(bad)}")
+    assert found == []

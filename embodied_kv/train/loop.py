@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         losses.total.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        rec = {"step": step, "loss": float(losses.total), "text": losses.text,
+        rec = {"step": step, "loss": float(losses.total.detach()), "text": losses.text,
                "flow": losses.flow, "text_acc": losses.text_acc,
                "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
         records.append(rec)

@@ -1,0 +1,81 @@
+"""Questions, memory facts and narrations: answers checked by an independent reading of
+the scene / fact text, and every world text inside the closed vocabulary."""
+
+import re
+
+import numpy as np
+import pytest
+
+from embodied_kv.model.prompt import WordTokenizer, format_prompt
+from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.world.dataset import DataConfig, make_sample
+from embodied_kv.world.memory import sample_query
+from embodied_kv.world.narration import TEMPLATES, narrate
+from embodied_kv.world.questions import KINDS, sample_question
+from embodied_kv.world.scene import make_scene
+from embodied_kv.world.tasks import PutTask
+from embodied_kv.world.vocab import vocabulary
+
+
+def test_question_answers_match_the_scene():
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        scene = make_scene(rng)
+        for kind in KINDS:
+            qa = sample_question(scene, rng, kind)
+            if qa.kind == "left":
+                a, b = re.match(r"is the (\w+ \w+) left of the (\w+ \w+) \?", qa.question).groups()
+                assert qa.answer == ("yes" if scene.get(a).x < scene.get(b).x else "no")
+            elif qa.kind == "colour":
+                shape = re.match(r"what colour is the (\w+) \?", qa.question).group(1)
+                assert [t.colour for t in scene.things if t.shape == shape] == [qa.answer]
+            else:
+                colour = re.match(r"how many (\w+) objects", qa.question).group(1)
+                n = sum(t.colour == colour for t in scene.things)
+                assert qa.answer == ["zero", "one", "two", "three"][min(n, 3)]
+    with pytest.raises(ValueError, match="unknown question kind"):
+        sample_question(scene, rng, "size")
+
+
+def resolve(facts, query):
+    """Read the fact text from the end (latest wins) -> the place the query asks for."""
+    place, holder = {}, {}
+    for f in facts:
+        if m := re.fullmatch(r"the (\w+ \w+) is on the (\w+) \.", f):
+            place[m[1]] = m[2]
+        elif m := re.fullmatch(r"the (\w+ \w+) is in the (\w+ \w+) \.", f):
+            holder[m[1]] = m[2]
+    thing = re.fullmatch(r"where is the (\w+ \w+) \?", query)[1]
+    return place[thing] if thing in place else place[holder[thing]]
+
+
+def test_memory_queries_need_the_latest_facts_and_their_hops():
+    superseded = 0
+    for seed in range(300):
+        rng = np.random.default_rng(seed)
+        hops = 1 + seed % 2
+        mq = sample_query(rng, hops, n_updates=3)
+        assert mq.answer == resolve(mq.facts, mq.query)
+        thing = mq.query.split("the ")[1][:-2]
+        is_container = thing.split()[1] in ("bowl", "box")
+        assert is_container == (hops == 1)
+        about = [f for f in mq.facts if f.startswith(f"the {thing} is on")]
+        superseded += len(about) > 1
+    assert superseded > 10  # the stream does change the answers over time
+    with pytest.raises(ValueError, match="hops=3"):
+        sample_query(np.random.default_rng(0), 3)
+
+
+def test_every_world_text_is_in_the_closed_vocabulary(tmp_path):
+    tok = WordTokenizer(save_tokenizer(tmp_path / "tokenizer.json"))
+    assert tok.vocab_size == 4 + len(vocabulary())
+    unk = tok._tok.token_to_id("[UNK]")
+    for seed in range(150):
+        s = make_sample(DataConfig(), seed)
+        text = format_prompt(s.instruction, s.state) + s.suffix + s.target
+        ids = tok.encode(text)
+        assert unk not in ids, text
+        assert tok.decode(tok.encode(s.target, bos=False)) == s.target
+    task = PutTask("red ball", "blue box")
+    for phase in TEMPLATES:
+        assert unk not in tok.encode(narrate(phase, task))
