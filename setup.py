@@ -29,8 +29,9 @@ setup(
     install_requires=[
         "numpy>=2",
         "safetensors>=0.4",
-        "tokenizers>=0.20",  # FAST action tokens (model/fast_tokenizer.py)
+        "tokenizers>=0.20",  # FAST action tokens (model/fast_tokenizer.py), the world's words
         "torch>=2.13",
+        "tqdm>=4",  # `embodied-kv train` progress
         "transformers>=5",
     ],
     extras_require={

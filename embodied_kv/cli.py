@@ -87,7 +87,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(
         out=args.out, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr,
-        seed=args.seed, ckpt_every=args.ckpt_every,
+        seed=args.seed, ckpt_every=args.ckpt_every, curriculum=args.curriculum,
     )  # fmt: skip
     records = train(cfg)
     last = records[-1] if records else {}
@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--ckpt-every", type=int, default=200)
+    tr.add_argument("--curriculum", type=int, default=0,
+                    help="steps of one-hop, unchanging memory facts first")  # fmt: skip
     tr.set_defaults(run=run_train)
 
     ev = commands.add_parser("eval", help="behavioural evaluation (`eval world`), no ROS")

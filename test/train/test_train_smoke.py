@@ -8,8 +8,10 @@ import torch
 
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.model.vla import Observation
-from embodied_kv.train.loop import TrainConfig, train
+from embodied_kv.cli import main
+from embodied_kv.train.loop import TrainConfig, data_at, train
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained
+from embodied_kv.world.dataset import DataConfig
 from embodied_kv.world.render import observation_images
 from embodied_kv.world.scene import make_scene
 
@@ -59,3 +61,17 @@ def test_bad_train_config_and_missing_weights(tmp_path):
         TrainConfig()
     with pytest.raises(ValueError, match="does not exist"):
         load_trained(tmp_path / "none.safetensors")
+    with pytest.raises(ValueError, match="curriculum"):
+        TrainConfig(steps=1, curriculum=-1)
+
+
+def test_curriculum_starts_with_one_hop_static_facts():
+    cfg = TrainConfig(steps=10, curriculum=5)
+    data = DataConfig(two_hop_share=0.5, memory_updates=2)
+    assert (data_at(cfg, data, 4).two_hop_share, data_at(cfg, data, 4).memory_updates) == (0, 0)
+    assert data_at(cfg, data, 5) == data
+
+
+def test_cli_train(tmp_path, capsys):
+    assert main(["train", "--steps", "2", "--batch", "2", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / WEIGHTS_FILE).is_file() and "trained 2 steps" in capsys.readouterr().out
