@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from embodied_kv.cli import main
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.model.vla import Observation
-from embodied_kv.cli import main
 from embodied_kv.train.loop import TrainConfig, data_at, train
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained
 from embodied_kv.world.dataset import DataConfig
