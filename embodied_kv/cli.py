@@ -88,6 +88,7 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         out=args.out, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr,
         seed=args.seed, ckpt_every=args.ckpt_every, curriculum=args.curriculum,
+        device=args.device,
     )  # fmt: skip
     records = train(cfg)
     last = records[-1] if records else {}
@@ -136,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=int, default=16)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default="cpu", help="cpu or cuda (fp32 weights either way)")
     tr.add_argument("--ckpt-every", type=int, default=200)
     tr.add_argument("--curriculum", type=int, default=0,
                     help="steps of one-hop, unchanging memory facts first")  # fmt: skip

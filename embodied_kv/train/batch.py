@@ -33,6 +33,10 @@ class Batch:
     def size(self) -> int:
         return int(self.ids.shape[0])
 
+    def to(self, device: torch.device) -> Batch:
+        tensors = {k: v.to(device) for k, v in vars(self).items() if torch.is_tensor(v)}
+        return Batch(**{**vars(self), **tensors})
+
 
 def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
     """Tokenise like the engine: the prompt (model/prompt.py, truncated to

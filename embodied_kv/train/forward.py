@@ -39,7 +39,7 @@ def backbone_forward(model, batch: Batch) -> BackboneOut:
     n_img = img.shape[1]
     x = torch.cat([img.to(model.dtype), bb.embed(batch.ids)], dim=1)  # [B, L, W]
     seq = x.shape[1]
-    pos = torch.arange(seq)
+    pos = torch.arange(seq, device=x.device)
     prefix = n_img + batch.prompt_len  # [B]
     valid = pos[None, :] < (n_img + batch.text_len)[:, None]  # [B, L] keys
     in_prefix = pos[None, :] < prefix[:, None]  # [B, L]
@@ -81,11 +81,12 @@ def expert_velocity(model, out: BackboneOut, x_t: torch.Tensor, t: torch.Tensor)
     emb = sinusoidal_time(t, e.width, cfg.time_min_period, cfg.time_max_period)
     emb = emb.to(ex.time_mlp_in.weight.dtype)
     cond = F.silu(ex.time_mlp_out(F.silu(ex.time_mlp_in(emb))))[:, None, :]  # [B, 1, W]
-    position = (out.prefix_len[:, None] + torch.arange(h_len)[None]).reshape(-1)  # [B*H]
+    dev = x_t.device
+    position = (out.prefix_len[:, None] + torch.arange(h_len, device=dev)[None]).reshape(-1)
     cos_sin = ex.rope.at(position)
     seq = out.keys[0].shape[2]
-    prefix_ok = torch.arange(seq)[None, :] < out.prefix_len[:, None]  # [B, L]
-    allowed = torch.cat([prefix_ok, torch.ones(b, h_len, dtype=torch.bool)], dim=1)
+    prefix_ok = torch.arange(seq, device=dev)[None, :] < out.prefix_len[:, None]  # [B, L]
+    allowed = torch.cat([prefix_ok, torch.ones(b, h_len, dtype=torch.bool, device=dev)], dim=1)
     allowed = allowed[:, None, None, :]  # [B, 1, 1, L + H]
     h = ex.action_in_proj(x_t.to(ex.action_in_proj.weight.dtype)).to(ex.dtype)
     for i, layer in enumerate(ex.layers):

@@ -43,6 +43,7 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 200
     threads: int = 1
+    device: str = "cpu"  # parameters stay fp32 on every device (AdamW master weights)
     # steps of the easy phase: one-hop memory queries over facts that never change (the
     # issue: associative recall sits at chance for long without a curriculum); 0 = none
     curriculum: int = 0
@@ -87,7 +88,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     mcfg = world_config(cfg.preset, cfg.seed)
     data = DataConfig(**{**vars(cfg.data), "image_size": mcfg.vision.image_size,
                          "horizon": mcfg.action_horizon})  # fmt: skip
-    model = build_model(mcfg, "cpu", tokenizer_path=str(tok_path))
+    model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -109,7 +110,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         step_data = data_at(cfg, data, step)
         samples = [make_sample(step_data, data_seed(cfg.seed, step, i, cfg.batch))
                    for i in range(cfg.batch)]  # fmt: skip
-        batch = make_batch(samples, model.tokenizer, mcfg)
+        batch = make_batch(samples, model.tokenizer, mcfg).to(model.device)
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step, total)
         losses = compute_losses(model, batch, gen, cfg.flow_weight)

@@ -44,8 +44,9 @@ def compute_losses(
     text = F.cross_entropy(logits, targets)
     acc = (logits.argmax(-1) == targets).float().mean()
     actions = batch.actions
-    noise = torch.randn(actions.shape, generator=generator)
-    t = sample_time(actions.shape[0], generator)
+    # drawn on the CPU from the seeded generator: the same noise on every device
+    noise = torch.randn(actions.shape, generator=generator).to(actions.device)
+    t = sample_time(actions.shape[0], generator).to(actions.device)
     tt = t[:, None, None]
     x_t = tt * noise + (1 - tt) * actions
     v = expert_velocity(model, out, x_t, t)

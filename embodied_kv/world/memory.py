@@ -4,8 +4,8 @@ A stream of facts about containers (where they are, open or closed) and movables
 container holds them); later facts supersede earlier ones. Queries:
 
     one hop : 'where is the red box ?'  -> the place in the latest fact about the red box
-              'is the red box open ?'   -> yes / no
-    two hops: 'where is the key ?'      -> the key's container -> that container's place
+    two hops: 'where is the blue key ?' -> the key's latest container -> its latest place
+Facts that a container opened or closed change nothing a query asks: distractors.
 """
 
 from __future__ import annotations
