@@ -85,11 +85,15 @@ def run_gpu_check(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from embodied_kv.train.loop import TrainConfig, train
 
-    cfg = TrainConfig(
-        out=args.out, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr,
-        seed=args.seed, ckpt_every=args.ckpt_every, curriculum=args.curriculum,
-        device=args.device,
-    )  # fmt: skip
+    try:
+        cfg = TrainConfig(
+            out=args.out, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr,
+            seed=args.seed, ckpt_every=args.ckpt_every, curriculum=args.curriculum,
+            device=args.device,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"embodied-kv train: {e}", file=sys.stderr)
+        return 2
     records = train(cfg)
     last = records[-1] if records else {}
     print(f"trained {len(records)} steps -> {args.out}; last {last}")
@@ -104,7 +108,11 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"embodied-kv eval: no suite {args.suite!r}; known: {sorted(suites)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    return int(suites[args.suite](list(args.args)) or 0)
+    try:
+        return int(suites[args.suite](list(args.args)) or 0)
+    except ValueError as e:
+        print(f"embodied-kv eval {args.suite}: {e}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,3 +34,7 @@ def test_cli_eval_world_writes_json(tmp_path, capsys):
     assert set(data["rows"]) == {"random", "expert"} and "date" in data
     assert "chance" in capsys.readouterr().out
     assert main(["eval", "nothing"]) == 2
+    assert main(["eval", "world", "--weights", str(tmp_path / "none.safetensors")]) == 2
+    assert main(["eval", "world", "--episodes", "-1"]) == 2
+    assert main(["train", "--steps", "-3"]) == 2
+    assert "does not exist" in capsys.readouterr().err
