@@ -72,11 +72,19 @@ def data_at(cfg: TrainConfig, data: DataConfig, step: int) -> DataConfig:
     return DataConfig(**{**vars(data), "two_hop_share": 0.0, "memory_updates": 0})
 
 
-def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+def lr_at(cfg: TrainConfig, step: int, done: float) -> float:
+    """Linear warmup over cfg.warmup steps, then cosine to 10% over the run; `done` is
+    the share of the run behind us (steps, or time under a minutes-only budget)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+def run_done(cfg: TrainConfig, step: int, elapsed: float) -> float:
+    """Share of the run behind us: the larger of steps and time when both bound it."""
+    shares = [step / cfg.steps] if cfg.steps else []
+    shares += [elapsed / (60 * cfg.minutes)] if cfg.minutes else []
+    return max(shares)
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
@@ -97,22 +105,21 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     log_path.write_text("")
     records: list[dict] = []
     start = time.perf_counter()
-    total = cfg.steps or 10**9
     bar = tqdm(total=cfg.steps or None, disable=not progress, unit="step", dynamic_ncols=True)
     step = 0
-    while step < total:
+    while True:
         elapsed = time.perf_counter() - start
-        if cfg.minutes and elapsed >= 60 * cfg.minutes:
+        done = run_done(cfg, step, elapsed)
+        if done >= 1.0:
             break
-        if not cfg.steps and step == 5:  # time budget only: estimate the steps it allows
-            total = max(step + 1, int(60 * cfg.minutes / (elapsed / step)))
-            bar.total = total
+        if step and step % cfg.log_every == 0:  # ETA of the bar from the share done
+            bar.total = max(step + 1, round(step / done))
         step_data = data_at(cfg, data, step)
         samples = [make_sample(step_data, data_seed(cfg.seed, step, i, cfg.batch))
                    for i in range(cfg.batch)]  # fmt: skip
         batch = make_batch(samples, model.tokenizer, mcfg).to(model.device)
         for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step, total)
+            g["lr"] = lr_at(cfg, step, done)
         losses = compute_losses(model, batch, gen, cfg.flow_weight)
         opt.zero_grad(set_to_none=True)
         losses.total.backward()

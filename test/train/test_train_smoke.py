@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from embodied_kv.cli import main
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.model.vla import Observation
-from embodied_kv.train.loop import TrainConfig, data_at, train
+from embodied_kv.train.loop import TrainConfig, data_at, lr_at, run_done, train
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained
 from embodied_kv.world.dataset import DataConfig
 from embodied_kv.world.render import observation_images
@@ -79,3 +79,12 @@ def test_curriculum_starts_with_one_hop_static_facts():
 def test_cli_train(tmp_path, capsys):
     assert main(["train", "--steps", "2", "--batch", "2", "--out", str(tmp_path)]) == 0
     assert (tmp_path / WEIGHTS_FILE).is_file() and "trained 2 steps" in capsys.readouterr().out
+
+
+def test_minutes_budget_stops_on_time_and_anneals_by_time(tmp_path):
+    records = train(TrainConfig(out=str(tmp_path), minutes=0.03, batch=2), progress=False)
+    assert records and records[-1]["seconds"] < 0.03 * 60 + 2.0
+    cfg = TrainConfig(steps=100, minutes=10, warmup=10, lr=1.0)
+    assert run_done(cfg, 50, 60.0) == 0.5 and run_done(cfg, 10, 300.0) == 0.5
+    assert lr_at(cfg, 0, 0.0) == 0.1 and lr_at(cfg, 20, 0.0) == 1.0
+    assert lr_at(cfg, 99, 1.0) == pytest.approx(0.1)
