@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -30,6 +31,7 @@ def save_tokenizer(path: str | Path) -> Path:
     path = Path(path)
     with atomic_path(path) as tmp:
         build_tokenizer().save(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the file ships beside the weights
     return path
 
 
