@@ -99,10 +99,12 @@ def answer(engine: Engine, scene: Scene, instruction: str, text: str, kind: Task
     """Ask through the engine on this scene's frame -> the finished text."""
     engine.begin_episode()
     observe(engine, scene, instruction)
-    engine.ask("eval", text, kind)
+    request_id, refused = engine.ask(text, kind)
+    if refused is not None:
+        raise ValueError(f"the engine refused an eval request: {refused.reason}")
     for _ in range(4):
         for ev in engine.cycle(0).events:
-            if ev.request_id == "eval" and ev.done:
+            if ev.request_id == request_id and ev.done:
                 return ev.text.strip()
     raise RuntimeError("the engine did not finish an eval request in 4 cycles")
 

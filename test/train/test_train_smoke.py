@@ -44,10 +44,11 @@ def test_loss_falls_and_checkpoint_runs_in_the_engine(tmp_path):
     scene = make_scene(np.random.default_rng(0))
     engine.observe(Observation(torch.from_numpy(observation_images(scene, 32)), scene.state(),
                                "put the red ball in the blue box"))  # fmt: skip
-    engine.ask("q", "how many red objects are there ?")
+    request_id, refused = engine.ask("how many red objects are there ?")
+    assert refused is None
     result = engine.cycle(0)
     assert result.chunk.shape == (10, 8) and np.isfinite(result.chunk).all()
-    assert any(e.request_id == "q" and e.done for e in result.events)
+    assert any(e.request_id == request_id and e.done for e in result.events)
 
 
 def test_same_seed_same_weights(tmp_path):
