@@ -37,7 +37,13 @@ from embodied_kv.engine.observation_state import (
     observation_tensors,
 )
 from embodied_kv.engine.plan_memory import PlanMemory
-from embodied_kv.engine.policy import LoopConfig, QueueFull, answer_suffix, arena_rows_needed
+from embodied_kv.engine.policy import (
+    LoopConfig,
+    QueueFull,
+    answer_suffix,
+    arena_rows_needed,
+    request_text_tokens,
+)
 from embodied_kv.kv.capsule import (
     Identity,
     capture,
@@ -79,6 +85,7 @@ class EngineConfig:
     answer_tokens: int = 48
     max_decode_steps: int = 0  # per cycle; 0 = as many as fit before the deadline
     max_pending: int = 16  # questions + plan requests waiting for a slot; more are refused
+    request_tokens: int = 0  # longest question / plan prompt (tokens); 0 = the preset's prompt
     seed: int = 0  # action noise of frame t: seed + t
     history: int = 8  # automatic per-cycle boundaries kept for rollback by steps (0: off)
     max_cycle_failures: int = 3  # failed cycles in a row before the safe state
@@ -141,6 +148,7 @@ class Engine:
             max_decode_steps=cfg.max_decode_steps,
             seed=cfg.seed,
             max_pending=cfg.max_pending,
+            request_tokens=cfg.request_tokens,
         )
         rows = arena_rows(cfg, c, loop_cfg)  # a bad max_len fails before any weight is built
         self.model = model or load_model(cfg)
@@ -439,7 +447,8 @@ def arena_rows(cfg: EngineConfig, model: ModelConfig, loop: LoopConfig) -> int:
         raise ValueError(
             f"max_len={cfg.max_len} is too small for preset {model.name!r}: a frame needs "
             f"{needed} rows per slot ({model.num_cameras} cameras x {model.vision.tokens} "
-            f"image tokens + {model.max_text_tokens} prompt + {model.max_text_tokens} question "
+            f"image tokens + {model.max_text_tokens} prompt + {request_text_tokens(model, loop)} "
+            f"question or plan "
             f"+ {max(loop.narration_tokens, loop.answer_tokens)} decoded, rounded up); "
             f"set max_len to {needed} or more, or 0 (auto)"
         )

@@ -36,12 +36,15 @@ class LoopConfig:
     cost_ema: float = 0.3  # weight of the newest decode-step time in the estimate
     seed: int = 0  # action noise of frame t is drawn with seed + t
     max_pending: int = 16  # questions + plan requests waiting for a slot; more are refused
+    request_tokens: int = 0  # longest question / plan prompt a request appends; 0 = the preset's
 
     def __post_init__(self):
         if self.period_s <= 0 or self.narrate_every < 0 or self.max_decode_steps < 0:
             raise ValueError(f"bad loop config: {self}")
         if min(self.narration_tokens, self.answer_tokens) < 1:
             raise ValueError(f"token budgets must be >= 1: {self}")
+        if self.request_tokens < 0:
+            raise ValueError(f"request_tokens={self.request_tokens} must be >= 0 (0: the preset's)")
         if self.max_pending < 1:
             raise ValueError(f"max_pending={self.max_pending} must be >= 1")
 
@@ -50,18 +53,25 @@ def arena_rows_needed(model: ModelConfig, loop: LoopConfig) -> int:
     """Rows per slot that one frame's request needs, so nothing is cut short:
 
         [ cameras x image tokens | prompt <= max_text_tokens ]   the frame's prefix
-        [ question / plan text <= max_text_tokens ]               what a request appends
+        [ question / plan text <= request_tokens ]                what a request appends
         [ budget - 1 generated tokens ]                           the last one is never fed
         + 2                                                       manager.create's margin
 
-    rounded up to the arena's key block (pi05: 3 x 256 + 200 + 200 + 48 + 1 -> 1280)."""
+    rounded up to the arena's key block (pi05: 3 x 256 + 200 + 200 + 48 + 1 -> 1280).
+    request_tokens 0 means the preset's max_text_tokens; a plan prompt carries the memory
+    as text, so a robot with memory sets it higher (config/robot.yaml)."""
     rows = (
         model.prefix_tokens_max
-        + model.max_text_tokens
+        + request_text_tokens(model, loop)
         + max(loop.narration_tokens, loop.answer_tokens)
         + 1
     )
     return -(-rows // KEY_BLOCK) * KEY_BLOCK
+
+
+def request_text_tokens(model: ModelConfig, loop: LoopConfig) -> int:
+    """The longest text a request appends after the frame's prefix (tokens)."""
+    return loop.request_tokens or model.max_text_tokens
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from embodied_kv.ros.rate_probe import RateSummary
 TEXT_WIDTH = 72
 KINDS = {TextChunk.TASK_NARRATION: "narration", TextChunk.TASK_ANSWER: "answer",
          TextChunk.TASK_PLAN: "plan"}  # fmt: skip
+ENDINGS = {TextChunk.STATUS_TRUNCATED: "truncated", TextChunk.STATUS_REFUSED: "refused",
+           TextChunk.STATUS_CANCELLED: "cancelled"}  # fmt: skip
 
 
 @dataclass
@@ -93,6 +95,10 @@ class Report:
                 asked = prompts.get(task, ())
                 prompt = f" {asked[i]!r} ->" if i < len(asked) else ""
                 state = "done" if c.done else "still streaming"
+                if c.done and c.status != TextChunk.STATUS_OK:
+                    ending = ENDINGS.get(c.status, f"status {c.status}")
+                    why = c.reason if c.reason.startswith(ending) else f"{ending}: {c.reason}"
+                    state += f", {why}"
                 out.append(
                     f"  [{c.request_id.split('@')[0]}]{prompt} {_short(c.text_so_far)} "
                     f"({self.pieces.get(c.request_id, 0)} chunks, {state})"

@@ -39,3 +39,35 @@ def test_a_too_small_max_len_names_the_rows_needed(preset, needed):
 def test_negative_max_len_is_refused():
     with pytest.raises(ValueError, match="bad engine config"):
         EngineConfig(max_len=-64)
+
+
+# Three memory segments as the demo writes them: the plan prompt is the memory as text + goal.
+DEMO_MEMORY = [
+    "the red block is on the left side of the table, next to the blue bowl",
+    "the blue cup is upside down behind the red block, near the robot base",
+    "the bowl was moved to the right edge of the table five seconds ago",
+]
+
+
+def _plan_with_memory(engine):
+    for i, text in enumerate(DEMO_MEMORY):
+        engine.update_memory(0, f"s{i}", text, max_segments=16)  # MemoryOp.ADD
+    return engine.plan("put the red block in the bowl")
+
+
+def test_request_tokens_sizes_the_arena_for_plans_that_carry_memory(tiny_model):
+    tiny = get_preset("tiny")
+    # 2 x 16 image tokens + 96 prompt + 384 request + 48 answer + 1 = 561 -> 576
+    assert arena_rows_needed(tiny, LoopConfig(answer_tokens=48, request_tokens=384)) == 576
+    preset_sized = Engine(EngineConfig(control_hz=0.01), model=tiny_model)
+    _, refused = _plan_with_memory(preset_sized)
+    assert refused is not None and "does not fit" in refused.reason  # refused, never cut
+    sized = Engine(EngineConfig(control_hz=0.01, request_tokens=384), model=tiny_model)
+    assert sized.manager.arena.spec.max_len == 576
+    _, refused = _plan_with_memory(sized)
+    assert refused is None
+
+
+def test_negative_request_tokens_are_refused():
+    with pytest.raises(ValueError, match="request_tokens=-1"):
+        LoopConfig(request_tokens=-1)
