@@ -37,13 +37,7 @@ from embodied_kv.engine.observation_state import (
     observation_tensors,
 )
 from embodied_kv.engine.plan_memory import PlanMemory
-from embodied_kv.engine.policy import (
-    LoopConfig,
-    QueueFull,
-    answer_suffix,
-    arena_rows_needed,
-    request_text_tokens,
-)
+from embodied_kv.engine.policy import LoopConfig, QueueFull, answer_suffix, arena_rows
 from embodied_kv.kv.capsule import (
     Identity,
     capture,
@@ -59,7 +53,7 @@ from embodied_kv.model.action_tokens import (
     ActionTokenConfig,
     make_action_tokenizer,
 )
-from embodied_kv.model.config import ModelConfig, get_preset
+from embodied_kv.model.config import get_preset
 from embodied_kv.model.robot_loader import RobotSpec, load_robot_io
 from embodied_kv.model.vla import Observation
 from embodied_kv.timing import device_clock, elapsed_ms
@@ -75,7 +69,7 @@ class EngineConfig:
     weights: str = ""  # safetensors file, LeRobot policy dir or openpi dir; "" = random
     tokenizer: str = ""  # pi05: PaliGemma tokenizer path; "" = the checkpoint dir's, if any
     num_slots: int = 8  # arena slots: the frame in flight + live language requests
-    max_len: int = 0  # arena rows per slot; 0 = auto: what the preset needs (arena_rows_needed)
+    max_len: int = 0  # arena rows per slot; 0 = auto: what the preset needs (policy.arena_rows)
     control_hz: float = 50.0  # action output rate
     replan_every: int = 5  # actions per control cycle: a new chunk every this many ticks
     blend: int = 2  # ticks over which an old and a new chunk are mixed
@@ -150,7 +144,7 @@ class Engine:
             max_pending=cfg.max_pending,
             request_tokens=cfg.request_tokens,
         )
-        rows = arena_rows(cfg, c, loop_cfg)  # a bad max_len fails before any weight is built
+        rows = arena_rows(cfg.max_len, c, loop_cfg)  # a bad max_len fails before any weights
         self.model = model or load_model(cfg)
         self.manager = KVCacheManager(self.model, cfg.num_slots, rows)
         self.action_tokens = None
@@ -436,20 +430,3 @@ class Engine:
         self.frame = int(meta["frame"])
         self.instruction = meta["instruction"]
         self._obs = load_observation(tensors, meta["observation"])
-
-
-def arena_rows(cfg: EngineConfig, model: ModelConfig, loop: LoopConfig) -> int:
-    """cfg.max_len, or what the preset and the language budgets need when it is 0."""
-    needed = arena_rows_needed(model, loop)
-    if cfg.max_len == 0:
-        return needed
-    if cfg.max_len < needed:
-        raise ValueError(
-            f"max_len={cfg.max_len} is too small for preset {model.name!r}: a frame needs "
-            f"{needed} rows per slot ({model.num_cameras} cameras x {model.vision.tokens} "
-            f"image tokens + {model.max_text_tokens} prompt + {request_text_tokens(model, loop)} "
-            f"question or plan "
-            f"+ {max(loop.narration_tokens, loop.answer_tokens)} decoded, rounded up); "
-            f"set max_len to {needed} or more, or 0 (auto)"
-        )
-    return cfg.max_len

@@ -69,6 +69,24 @@ def arena_rows_needed(model: ModelConfig, loop: LoopConfig) -> int:
     return -(-rows // KEY_BLOCK) * KEY_BLOCK
 
 
+def arena_rows(max_len: int, model: ModelConfig, loop: LoopConfig) -> int:
+    """max_len, or what the preset and the language budgets need when it is 0;
+    ValueError with the number needed when an explicit max_len is too small."""
+    needed = arena_rows_needed(model, loop)
+    if max_len == 0:
+        return needed
+    if max_len < needed:
+        raise ValueError(
+            f"max_len={max_len} is too small for preset {model.name!r}: a frame needs "
+            f"{needed} rows per slot ({model.num_cameras} cameras x {model.vision.tokens} "
+            f"image tokens + {model.max_text_tokens} prompt + {request_text_tokens(model, loop)} "
+            f"question or plan "
+            f"+ {max(loop.narration_tokens, loop.answer_tokens)} decoded, rounded up); "
+            f"set max_len to {needed} or more, or 0 (auto)"
+        )
+    return max_len
+
+
 def request_text_tokens(model: ModelConfig, loop: LoopConfig) -> int:
     """The longest text a request appends after the frame's prefix (tokens)."""
     return loop.request_tokens or model.max_text_tokens

@@ -86,8 +86,7 @@ def test_max_len_auto_or_rows(value, rows):
 
 
 def test_shipped_config_sizes_the_arena_for_pi05():
-    from embodied_kv.engine.engine import arena_rows
-    from embodied_kv.engine.policy import LoopConfig
+    from embodied_kv.engine.policy import LoopConfig, arena_rows
     from embodied_kv.model.config import get_preset
 
     params = load_params(default_config_path()).with_overrides(preset="pi05")
@@ -96,7 +95,7 @@ def test_shipped_config_sizes_the_arena_for_pi05():
     assert (cfg.preset, cfg.max_len) == ("pi05", 0)
     loop = LoopConfig(narration_tokens=cfg.narration_tokens, answer_tokens=cfg.answer_tokens)
     pi05 = get_preset("pi05")
-    assert arena_rows(cfg, pi05, loop) >= pi05.prefix_tokens_max + cfg.answer_tokens
+    assert arena_rows(cfg.max_len, pi05, loop) >= pi05.prefix_tokens_max + cfg.answer_tokens
 
 
 def test_robot_block_becomes_the_engines_robot_spec():
