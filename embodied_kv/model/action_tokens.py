@@ -15,10 +15,12 @@ Where the ids sit in the model vocabulary (V = cfg.vocab_size, R = reserved tail
   (openpi `_act_tokens_to_paligemma_tokens`), then `|` and EOS end the action.
 
 R is PaliGemma's 128 special ids at the top of its vocabulary (openpi
-`fast_skip_tokens = 128`) with the `gemma` text tokenizer, 0 with `bytes` (no special
-tail). The `tiny` preset's vocabulary is too small for 256 or 1024 action ids above its
-259 byte ids: `action_model_config` grows it through the preset overrides (only in `ar`
-mode, so `flow` keeps its weights); PaliGemma's 257,152 ids hold them by reusing its
+`fast_skip_tokens = 128`) with the `gemma` text tokenizer, 0 with `bytes` and `words`
+(no special tail). The action ids must lie above every text id (`TEXT_IDS`: 259 byte
+ids; the world's word tokenizer stays below 384). The `tiny` preset's vocabulary is too
+small for 256 or 1024 action ids above them: `action_model_config` grows it through the
+preset overrides (only in `ar` mode, so `flow` keeps its weights); the `world` preset was
+trained with room for the 256 bins; PaliGemma's 257,152 ids hold them by reusing its
 rarest tokens, as openpi does.
 """
 
@@ -35,16 +37,25 @@ from embodied_kv.model.prompt import ByteTokenizer
 BINS = 256  # OpenVLA: n_bins
 PALIGEMMA_SPECIAL_TAIL = 128  # openpi: fast_skip_tokens
 VOCAB_ROUND = 64  # a grown vocabulary is rounded up to this
+# ids the text tokenizer may emit, per ModelConfig.tokenizer (gemma: its vocabulary is
+# the model's, and the action ids reuse its top as openpi does)
+TEXT_IDS = {"bytes": ByteTokenizer.vocab_size, "words": 384, "gemma": 0}
 
 
 def reserved_tail(cfg: ModelConfig) -> int:
     return PALIGEMMA_SPECIAL_TAIL if cfg.tokenizer == "gemma" else 0
 
 
+def text_ids(cfg: ModelConfig) -> int:
+    if cfg.tokenizer not in TEXT_IDS:
+        raise ValueError(f"unknown tokenizer {cfg.tokenizer!r}; known {sorted(TEXT_IDS)}")
+    return TEXT_IDS[cfg.tokenizer]
+
+
 def action_model_config(cfg: ModelConfig, n_action_ids: int) -> ModelConfig:
-    """`cfg` with a vocabulary large enough for `n_action_ids` above the byte ids and
-    below the reserved tail; unchanged when it already is (pi05)."""
-    need = ByteTokenizer.vocab_size + n_action_ids + reserved_tail(cfg)
+    """`cfg` with a vocabulary large enough for `n_action_ids` above the text ids and
+    below the reserved tail; unchanged when it already is (pi05, world with bins)."""
+    need = text_ids(cfg) + n_action_ids + reserved_tail(cfg)
     if cfg.vocab_size >= need:
         return cfg
     return replace(cfg, vocab_size=-(-need // VOCAB_ROUND) * VOCAB_ROUND)
@@ -97,10 +108,13 @@ class BinTokenizer(ActionTokenizer):
 
     kind = "bins"
 
-    def __init__(self, vocab_size: int, horizon: int, dims: int, tail: int = 0):
-        if min(horizon, dims) < 1 or vocab_size - tail - BINS < ByteTokenizer.vocab_size:
+    def __init__(
+        self, vocab_size: int, horizon: int, dims: int, tail: int = 0, text: int | None = None
+    ):
+        text = ByteTokenizer.vocab_size if text is None else text  # ids text may use
+        if min(horizon, dims) < 1 or vocab_size - tail - BINS < text:
             raise ValueError(
-                f"bins need horizon, dims >= 1 and {BINS} ids above the text ids: "
+                f"bins need horizon, dims >= 1 and {BINS} ids above the {text} text ids: "
                 f"horizon={horizon} dims={dims} vocab={vocab_size} tail={tail}"
             )
         self.vocab_size, self.tail = vocab_size, tail
@@ -155,7 +169,7 @@ def make_action_tokenizer(cfg: ActionTokenConfig, model_cfg: ModelConfig, text_t
     """The tokenizer over `model_cfg`'s vocabulary (already grown by action_model_config)."""
     tail, dims = reserved_tail(model_cfg), model_cfg.action_dim
     if cfg.kind == "bins":
-        return BinTokenizer(model_cfg.vocab_size, cfg.horizon, dims, tail)
+        return BinTokenizer(model_cfg.vocab_size, cfg.horizon, dims, tail, text_ids(model_cfg))
     from embodied_kv.model.fast_tokenizer import FastTokenizer
 
     cap = cfg.max_tokens or 2 * cfg.horizon * dims

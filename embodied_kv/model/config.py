@@ -115,6 +115,17 @@ PRESETS: dict[str, ModelConfig] = {
         tokenizer="bytes",
     ),
 }
+# `world`: `tiny` trained on the numpy tabletop world (embodied_kv/world/, train/): the
+# world's word tokenizer, 64-pixel cameras (8x8 patches of 8 px, 128 image tokens for two
+# cameras: shapes 8 px wide tell a ball from a block, and VL-Cache has a visual prefix to
+# compress) and room for the 256 `bins` action ids above the text ids (V 640: words < 384).
+PRESETS["world"] = replace(
+    PRESETS["tiny"],
+    name="world",
+    vision=replace(PRESETS["tiny"].vision, image_size=64),
+    vocab_size=640,
+    tokenizer="words",
+)
 
 
 def get_preset(

@@ -30,7 +30,7 @@ EVAL_SEED_BASE = 2**48  # held-out world seeds (eval/world.py) lie above every t
 @dataclass(frozen=True)
 class TrainConfig:
     out: str = "out/train"  # directory: weights.safetensors, tokenizer.json, train_log.jsonl
-    preset: str = "tiny"
+    preset: str = "world"
     steps: int = 0  # optimiser steps; 0 = until `minutes` runs out
     minutes: float = 0.0  # wall-clock budget; 0 = until `steps`
     batch: int = 16

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from embodied_kv.model.action_tokens import TEXT_IDS
 from embodied_kv.model.config import GemmaConfig, ModelConfig, VisionConfig, get_preset
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import FORMAT, load_weights
@@ -17,9 +18,15 @@ WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def world_config(preset: str = "tiny", seed: int = 0) -> ModelConfig:
-    """A preset with the world's word tokenizer and a vocabulary that fits it."""
+def world_config(preset: str = "world", seed: int = 0) -> ModelConfig:
+    """A preset with the world's word tokenizer: `world` as it is (its vocabulary holds the
+    word ids and the 256 `bins` action ids above them), any other preset with a
+    vocabulary that just fits the words (no room for action ids)."""
     n = build_tokenizer().get_vocab_size()
+    if n > TEXT_IDS["words"]:
+        raise ValueError(f"the world tokenizer has {n} ids > {TEXT_IDS['words']} reserved")
+    if preset == "world":
+        return get_preset(preset, seed=seed)
     return get_preset(preset, vocab_size=padded_vocab(n), tokenizer="words", seed=seed)
 
 

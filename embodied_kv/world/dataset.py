@@ -28,7 +28,7 @@ TEXT_KINDS = ("answer", "plan", "narration")
 
 @dataclass(frozen=True)
 class DataConfig:
-    image_size: int = 32  # tiny preset: VisionConfig.image_size
+    image_size: int = 64  # world preset: VisionConfig.image_size
     horizon: int = 10  # tiny preset: action_horizon
     text_mix: tuple[float, float, float] = (0.4, 0.4, 0.2)  # answer, plan, narration
     two_hop_share: float = 0.5  # of plan samples

@@ -42,7 +42,8 @@ def test_loss_falls_and_checkpoint_runs_in_the_engine(tmp_path):
     engine = Engine(EngineConfig(control_hz=1e-3, history=0, auto_episode_capsule=False,
                                  answer_tokens=4), model=model)  # fmt: skip
     scene = make_scene(np.random.default_rng(0))
-    engine.observe(Observation(torch.from_numpy(observation_images(scene, 32)), scene.state(),
+    images = observation_images(scene, model.cfg.vision.image_size)
+    engine.observe(Observation(torch.from_numpy(images), scene.state(),
                                "put the red ball in the blue box"))  # fmt: skip
     request_id, refused = engine.ask("how many red objects are there ?")
     assert refused is None

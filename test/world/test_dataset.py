@@ -15,7 +15,7 @@ def test_samples_are_reproducible_and_mixed():
     kinds = [make_sample(cfg, s).kind for s in range(60)]
     assert set(kinds) == set(TEXT_KINDS)
     s = make_sample(cfg, 5)
-    assert s.images.shape == (2, 3, 32, 32) and s.actions.shape == (10, 8)
+    assert s.images.shape == (2, 3, 64, 64) and s.actions.shape == (10, 8)
 
 
 def test_bad_data_config():
