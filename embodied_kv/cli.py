@@ -86,10 +86,11 @@ def run_train(args: argparse.Namespace) -> int:
     from embodied_kv.train.loop import TrainConfig, train
 
     try:
+        given = {k: getattr(args, k) for k in ("batch", "lr", "threads", "curriculum")}
         cfg = TrainConfig(
-            out=args.out, steps=args.steps, minutes=args.minutes, batch=args.batch, lr=args.lr,
-            seed=args.seed, ckpt_every=args.ckpt_every, curriculum=args.curriculum,
-            device=args.device,
+            out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
+            ckpt_every=args.ckpt_every, device=args.device,
+            **{k: v for k, v in given.items() if v is not None},
         )  # fmt: skip
     except ValueError as e:
         print(f"embodied-kv train: {e}", file=sys.stderr)
@@ -142,12 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default="out/train", help="weights.safetensors + tokenizer.json")
     tr.add_argument("--steps", type=int, default=0, help="0: until --minutes runs out")
     tr.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget (0: none)")
-    tr.add_argument("--batch", type=int, default=16)
-    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--batch", type=int, help="default: TrainConfig.batch (train/loop.py)")
+    tr.add_argument("--lr", type=float, help="default: TrainConfig.lr")
+    tr.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default="cpu", help="cpu or cuda (fp32 weights either way)")
     tr.add_argument("--ckpt-every", type=int, default=200)
-    tr.add_argument("--curriculum", type=int, default=0,
+    tr.add_argument("--curriculum", type=int,
                     help="steps of one-hop, unchanging memory facts first")  # fmt: skip
     tr.set_defaults(run=run_train)
 

@@ -1,7 +1,9 @@
 """World samples -> padded tensors laid out as the engine lays out a request.
 
-    full sequence of sample b:  [ I image tokens | prompt p_b | suffix + target + EOS | pad ]
+    full sequence of sample b:  [ I image tokens | prompt p_b | turns | pad ]
                                  \\__ prefix P_b = I + p_b: bidirectional __/ \\_ causal _/
+    turns: (suffix + target + EOS) per turn; an `actions` sample: the chunk's H x A
+    `bins` action ids instead (fixed length, no EOS), as the `ar` mode decodes them
 `ids` holds the text part only (the image tokens come from the vision tower). A label at
 text index j is the id the model must produce after text token j (-100: no loss)."""
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from embodied_kv.model.action_tokens import BinTokenizer, reserved_tail, text_ids
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.prompt import format_prompt
 from embodied_kv.world.dataset import Sample
@@ -40,21 +43,30 @@ class Batch:
 
 def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
     """Tokenise like the engine: the prompt (model/prompt.py, truncated to
-    max_text_tokens), then the suffix without BOS, then the target and EOS."""
+    max_text_tokens), then each turn's suffix without BOS, its target and EOS."""
+    bins = None
     rows, prompt_lens, label_rows = [], [], []
     for s in samples:
         state = np.zeros(cfg.state_dim)
         state[: min(cfg.state_dim, s.state.shape[0])] = s.state[: cfg.state_dim]
         prompt = tokenizer.encode(format_prompt(s.instruction, state, cfg.state_bins))
-        prompt = prompt[: cfg.max_text_tokens]
-        suffix = tokenizer.encode(s.suffix, bos=False) if s.suffix else []
-        target = tokenizer.encode(s.target, bos=False) + [tokenizer.eos_id]
-        ids = prompt + suffix + target
+        ids = prompt[: cfg.max_text_tokens]
         labels = [IGNORE] * len(ids)
-        start = len(prompt) + len(suffix) - 1  # the token whose logits give target[0]
-        labels[start : start + len(target)] = target
+        if s.kind == "actions":
+            bins = bins or _bins(cfg)
+            target = bins.encode(_padded_chunk(s.actions, cfg))
+            labels[-1:] = target[:1]  # the prompt's last row predicts the first action id
+            ids += target
+            labels += target[1:] + [IGNORE]
+        for suffix, text in s.turns:
+            ids += tokenizer.encode(suffix, bos=False) if suffix else []
+            target = tokenizer.encode(text, bos=False) + [tokenizer.eos_id]
+            labels += [IGNORE] * (len(ids) - len(labels))
+            labels[-1] = target[0]  # the token whose logits give target[0]
+            ids += target
+            labels += target[1:] + [IGNORE]
         rows.append(ids)
-        prompt_lens.append(len(prompt))
+        prompt_lens.append(min(len(prompt), cfg.max_text_tokens))
         label_rows.append(labels)
     t = max(len(r) for r in rows)
     ids = torch.full((len(rows), t), tokenizer.pad_id, dtype=torch.long)
@@ -62,21 +74,29 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
     for b, (r, lab) in enumerate(zip(rows, label_rows, strict=True)):
         ids[b, : len(r)] = torch.tensor(r)
         labels[b, : len(lab)] = torch.tensor(lab)
-    actions = torch.zeros(len(samples), cfg.action_horizon, cfg.action_dim)
-    for b, s in enumerate(samples):
-        a = torch.from_numpy(s.actions).float()
-        if a.shape[0] != cfg.action_horizon or a.shape[1] > cfg.action_dim:
-            raise ValueError(
-                f"sample chunk {tuple(a.shape)} does not fit horizon {cfg.action_horizon} "
-                f"x action_dim {cfg.action_dim}"
-            )
-        actions[b, :, : a.shape[1]] = a
+    actions = torch.stack([torch.from_numpy(_padded_chunk(s.actions, cfg)) for s in samples])
     return Batch(
         images=torch.from_numpy(np.stack([s.images for s in samples])),
         ids=ids,
         prompt_len=torch.tensor(prompt_lens),
         text_len=torch.tensor([len(r) for r in rows]),
         labels=labels,
-        actions=actions,
+        actions=actions.float(),
         kinds=[s.kind for s in samples],
     )
+
+
+def _padded_chunk(chunk: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """[H, a] expert chunk -> [H, A] zero-padded to the model's action_dim."""
+    if chunk.shape[0] != cfg.action_horizon or chunk.shape[1] > cfg.action_dim:
+        raise ValueError(f"sample chunk {chunk.shape} does not fit horizon "
+                         f"{cfg.action_horizon} x action_dim {cfg.action_dim}")  # fmt: skip
+    out = np.zeros((cfg.action_horizon, cfg.action_dim))
+    out[:, : chunk.shape[1]] = chunk
+    return out
+
+
+def _bins(cfg: ModelConfig):
+    """The `bins` action tokenizer over cfg's vocabulary (the `ar` mode's, horizon H)."""
+    return BinTokenizer(cfg.vocab_size, cfg.action_horizon, cfg.action_dim,
+                        reserved_tail(cfg), text_ids(cfg))  # fmt: skip

@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import save_weights
-from embodied_kv.train.batch import make_batch
+from embodied_kv.train.batch import IGNORE, make_batch
 from embodied_kv.train.losses import compute_losses
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
-from embodied_kv.world.dataset import DataConfig, make_sample
+from embodied_kv.world.dataset import DataConfig, Sample, make_sample
 
+ACTION_TOKENS_GUESS = 80  # bins ids of a world chunk (10 x 8), for length bucketing
 TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
 EVAL_SEED_BASE = 2**48  # held-out world seeds (eval/world.py) lie above every training seed
 
@@ -33,9 +34,10 @@ class TrainConfig:
     preset: str = "world"
     steps: int = 0  # optimiser steps; 0 = until `minutes` runs out
     minutes: float = 0.0  # wall-clock budget; 0 = until `steps`
-    batch: int = 16
-    lr: float = 1e-3  # AdamW peak, linear warmup then cosine to 10%
-    warmup: int = 50
+    batch: int = 32
+    buckets: int = 2  # length groups per step (less padding; gradients accumulate)
+    lr: float = 2e-3  # AdamW peak, linear warmup then cosine to 10%
+    warmup: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     flow_weight: float = 1.0
@@ -46,7 +48,7 @@ class TrainConfig:
     device: str = "cpu"  # parameters stay fp32 on every device (AdamW master weights)
     # steps of the easy phase: one-hop memory queries over facts that never change (the
     # issue: associative recall sits at chance for long without a curriculum); 0 = none
-    curriculum: int = 0
+    curriculum: int = 600
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self):
@@ -69,7 +71,8 @@ def data_at(cfg: TrainConfig, data: DataConfig, step: int) -> DataConfig:
     """The data config of `step`: the curriculum's easy phase, then `data` as given."""
     if step >= cfg.curriculum:
         return data
-    return DataConfig(**{**vars(data), "two_hop_share": 0.0, "memory_updates": 0})
+    return DataConfig(**{**vars(data), "two_hop_share": 0.0, "memory_updates": 0,
+                         "memory_objects": 2})  # fmt: skip
 
 
 def lr_at(cfg: TrainConfig, step: int, done: float) -> float:
@@ -107,6 +110,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     start = time.perf_counter()
     bar = tqdm(total=cfg.steps or None, disable=not progress, unit="step", dynamic_ncols=True)
     step = 0
+    first_acc: dict[str, list[int]] = {}  # per kind over the log window: [right, counted]
     while True:
         elapsed = time.perf_counter() - start
         done = run_done(cfg, step, elapsed)
@@ -117,19 +121,28 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         step_data = data_at(cfg, data, step)
         samples = [make_sample(step_data, data_seed(cfg.seed, step, i, cfg.batch))
                    for i in range(cfg.batch)]  # fmt: skip
-        batch = make_batch(samples, model.tokenizer, mcfg).to(model.device)
+        batches = [make_batch(part, model.tokenizer, mcfg).to(model.device)
+                   for part in length_buckets(samples, cfg.buckets)]  # fmt: skip
+        n_text = sum(int((b.labels != IGNORE).sum()) for b in batches)
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step, done)
-        losses = compute_losses(model, batch, gen, cfg.flow_weight)
         opt.zero_grad(set_to_none=True)
-        losses.total.backward()
+        parts = []
+        for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
+            losses = compute_losses(model, b, gen, cfg.flow_weight,
+                                    losses_share(b, n_text), b.size / cfg.batch)  # fmt: skip
+            losses.total.backward()
+            parts.append(losses)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        rec = {"step": step, "loss": float(losses.total.detach()), "text": losses.text,
-               "flow": losses.flow, "text_acc": losses.text_acc,
-               "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip
+        rec = step_record(step, parts, time.perf_counter() - start)
         records.append(rec)
+        for kind, (r, n) in rec["first"].items():
+            window = first_acc.setdefault(kind, [0, 0])
+            window[0], window[1] = window[0] + r, window[1] + n
         if step % cfg.log_every == 0:
+            rec["first_acc"] = {k: round(r / n, 3) for k, (r, n) in first_acc.items() if n}
+            first_acc.clear()
             with open(log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
         bar.update(1)
@@ -141,6 +154,45 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     bar.close()
     save_checkpoint(model, out)
     return records
+
+
+def length_buckets(samples: list[Sample], parts: int) -> list[list[Sample]]:
+    """The step's samples in `parts` groups of similar text length (sorted, stable), so
+    padding to each group's longest wastes less compute than padding to the step's."""
+    if parts <= 1:
+        return [samples]
+
+    def length(s: Sample) -> int:
+        words = sum(len((a + " " + b).split()) for a, b in s.turns)
+        return words + (ACTION_TOKENS_GUESS if s.kind == "actions" else 0)
+
+    ordered = sorted(samples, key=length)
+    size = -(-len(ordered) // parts)
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def losses_share(batch, n_text: int) -> float:
+    return int((batch.labels != IGNORE).sum()) / max(1, n_text)
+
+
+def step_record(step: int, parts: list, seconds: float) -> dict:
+    """One step's log record from its buckets' losses (means weighted as in the loss)."""
+    n_text = sum(p.n_text for p in parts) or 1
+    n = sum(p.n_samples for p in parts)
+    first: dict[str, list[int]] = {}
+    for p in parts:
+        for k, (r, c) in p.first_right.items():
+            f = first.setdefault(k, [0, 0])
+            f[0], f[1] = f[0] + r, f[1] + c
+    return {
+        "step": step,
+        "loss": float(sum(p.total.detach() for p in parts)),
+        "text": sum(p.text * p.n_text for p in parts) / n_text,
+        "flow": sum(p.flow * p.n_samples for p in parts) / n,
+        "text_acc": sum(p.text_acc * p.n_text for p in parts) / n_text,
+        "first": first,
+        "seconds": round(seconds, 2),
+    }
 
 
 def save_checkpoint(model, out: Path) -> Path:

@@ -25,6 +25,11 @@ class Losses:
     text: float
     flow: float
     text_acc: float  # share of target tokens predicted right (greedy), teacher-forced
+    # per sample kind: [right, counted] over the target tokens' first ids of each turn
+    # (the answer word / first action id), the figure eval measures
+    first_right: dict[str, list[int]]
+    n_text: int  # target tokens in the batch
+    n_samples: int
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -35,14 +40,18 @@ def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def compute_losses(
-    model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0
+    model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0,
+    text_share: float = 1.0, sample_share: float = 1.0,
 ) -> Losses:
+    """Mean losses of the batch; `total` weighs them by the batch's share of the step's
+    target tokens / samples (a step split into length buckets sums to the full means)."""
     out = backbone_forward(model, batch)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
     logits = text_logits(model, out, rows, cols)  # [N, V]
     targets = batch.labels[rows, cols]
     text = F.cross_entropy(logits, targets)
-    acc = (logits.argmax(-1) == targets).float().mean()
+    right = logits.argmax(-1) == targets
+    acc = right.float().mean()
     actions = batch.actions
     # drawn on the CPU from the seeded generator: the same noise on every device
     noise = torch.randn(actions.shape, generator=generator).to(actions.device)
@@ -51,5 +60,22 @@ def compute_losses(
     x_t = tt * noise + (1 - tt) * actions
     v = expert_velocity(model, out, x_t, t)
     flow = F.mse_loss(v, noise - actions)
-    total = text + flow_weight * flow
-    return Losses(total, float(text.detach()), float(flow.detach()), float(acc))
+    total = text * text_share + flow_weight * flow * sample_share
+    return Losses(total, float(text.detach()), float(flow.detach()), float(acc),
+                  _first_right(batch, rows, cols, right), int(rows.numel()),
+                  batch.size)  # fmt: skip
+
+
+def _first_right(batch: Batch, rows, cols, right) -> dict[str, list[int]]:
+    """Right/counted per kind over each turn's first target token (its label follows an
+    unlabelled position)."""
+    lab = batch.labels
+    prev = torch.where(cols > 0, lab[rows, (cols - 1).clamp(min=0)], IGNORE)
+    first = prev == IGNORE
+    out: dict[str, list[int]] = {}
+    for r, f, ok in zip(rows.tolist(), first.tolist(), right.tolist(), strict=True):
+        if f:
+            k = out.setdefault(batch.kinds[r], [0, 0])
+            k[0] += int(ok)
+            k[1] += 1
+    return out

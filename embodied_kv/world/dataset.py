@@ -4,9 +4,15 @@ Every sample is one observation along an expert rollout (images, state, instruct
 the expert's action chunk from there (flow-matching target) and one text target,
 appended after the frame's prompt exactly as the engine appends it:
 
-    answer    suffix '\\nQuestion: <q>\\nAnswer: '  target '<answer>'   (engine/policy.py)
-    plan      suffix '\\nFacts: ...\\nQuery: <q>\\nAnswer: '  target '<place>'
-    narration suffix ''                             target '<sentence>'
+    answer    '\nQuestion: <q>\nAnswer: '                 -> '<answer>'   (engine/policy.py)
+    plan      '\nFacts: ...\nQuery: <q>\nAnswer: '         -> '<place>'
+    narration ''                                          -> '<sentence>'
+    actions   ''                                          -> the chunk's `bins` action
+              tokens (train/batch.py encodes them: the autoregressive action mode)
+
+Answers and plans carry `turns` questions about the same scene / facts: the first is
+laid out exactly as the engine asks it, the others follow it ('\nQuestion: ...' again,
+after the previous answer's EOS) — more answers per prefill, the same format.
 """
 
 from __future__ import annotations
@@ -16,33 +22,41 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodied_kv.world.expert import expert_action, expert_chunk
-from embodied_kv.world.memory import sample_query
+from embodied_kv.world.memory import sample_queries
 from embodied_kv.world.narration import narrate
 from embodied_kv.world.questions import sample_question
 from embodied_kv.world.render import observation_images
 from embodied_kv.world.scene import ACTION_DIM, make_scene
 from embodied_kv.world.tasks import sample_task
 
-TEXT_KINDS = ("answer", "plan", "narration")
+TEXT_KINDS = ("answer", "plan", "narration", "actions")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     image_size: int = 64  # world preset: VisionConfig.image_size
-    horizon: int = 10  # tiny preset: action_horizon
-    text_mix: tuple[float, float, float] = (0.4, 0.4, 0.2)  # answer, plan, narration
-    two_hop_share: float = 0.5  # of plan samples
-    memory_updates: int = 1  # fact updates after the initial facts
+    horizon: int = 10  # world preset: action_horizon
+    # answer, plan, narration, actions (the `bins` tokens of the chunk)
+    text_mix: tuple[float, ...] = (0.3, 0.35, 0.1, 0.25)
+    turns: int = 4  # questions per answer / plan sample
+    two_hop_share: float = 0.5  # of plan queries
+    memory_updates: int = 6  # fact updates after the initial facts: 0 .. this, uniform
+    memory_objects: int = 3  # containers and movables in a fact stream: 2 .. this each
     max_rollout: int = 20  # expert steps before the sampled observation
     perturb: float = 0.3  # share of rollouts that start with random actions (recovery)
 
     def __post_init__(self):
-        if len(self.text_mix) != 3 or min(self.text_mix) < 0 or sum(self.text_mix) <= 0:
-            raise ValueError(f"text_mix {self.text_mix} needs 3 weights >= 0, not all 0")
+        if len(self.text_mix) != len(TEXT_KINDS) or min(self.text_mix) < 0 or sum(
+            self.text_mix
+        ) <= 0:
+            raise ValueError(f"text_mix {self.text_mix} needs {len(TEXT_KINDS)} weights >= 0, "
+                             f"not all 0 ({TEXT_KINDS})")  # fmt: skip
         if not 0 <= self.two_hop_share <= 1 or not 0 <= self.perturb <= 1:
             raise ValueError(f"shares must be in [0, 1]: {self}")
         if self.horizon < 1 or self.max_rollout < 0 or self.memory_updates < 0:
             raise ValueError(f"bad data config: {self}")
+        if self.turns < 1 or self.memory_objects < 2:
+            raise ValueError(f"turns >= 1 and memory_objects >= 2: {self}")
 
 
 @dataclass(frozen=True)
@@ -52,8 +66,16 @@ class Sample:
     instruction: str
     actions: np.ndarray  # [horizon, ACTION_DIM] expert chunk
     kind: str  # one of TEXT_KINDS
-    suffix: str  # text after the prompt (question / facts + query / '')
-    target: str  # the text to generate (EOS follows)
+    turns: tuple[tuple[str, str], ...]  # (text after the prompt or the previous EOS, target)
+
+    @property
+    def suffix(self) -> str:
+        """The first turn's text: what the engine appends to the prompt."""
+        return self.turns[0][0] if self.turns else ""
+
+    @property
+    def target(self) -> str:
+        return self.turns[0][1] if self.turns else ""
 
 
 def make_sample(cfg: DataConfig, seed: int) -> Sample:
@@ -70,22 +92,26 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         act, _ = expert_action(scene, task)
         scene.step(act)
     _, phase = expert_action(scene, task)
-    kind = TEXT_KINDS[rng.choice(3, p=np.asarray(cfg.text_mix) / sum(cfg.text_mix))]
+    mix = np.asarray(cfg.text_mix) / sum(cfg.text_mix)
+    kind = TEXT_KINDS[rng.choice(len(TEXT_KINDS), p=mix)]
+    turns: list[tuple[str, str]] = []
     if kind == "answer":
-        qa = sample_question(scene, rng)
-        suffix, target = f"\nQuestion: {qa.question}\nAnswer: ", qa.answer
+        for _ in range(cfg.turns):
+            qa = sample_question(scene, rng)
+            turns.append((f"\nQuestion: {qa.question}\nAnswer: ", qa.answer))
     elif kind == "plan":
-        hops = 2 if rng.random() < cfg.two_hop_share else 1
-        mq = sample_query(rng, hops, n_updates=cfg.memory_updates)
-        suffix, target = mq.prompt, mq.answer
-    else:
-        suffix, target = "", narrate(phase, task)
+        hops = [2 if rng.random() < cfg.two_hop_share else 1 for _ in range(cfg.turns)]
+        n_c, n_m = (int(rng.integers(2, cfg.memory_objects + 1)) for _ in range(2))
+        updates = int(rng.integers(0, cfg.memory_updates + 1))
+        queries = sample_queries(rng, hops, n_c, n_m, updates)
+        turns = [(q.prompt if i == 0 else q.follow_up, q.answer) for i, q in enumerate(queries)]
+    elif kind == "narration":
+        turns = [("", narrate(phase, task))]
     return Sample(
         images=observation_images(scene, cfg.image_size),
         state=scene.state(),
         instruction=task.instruction,
         actions=expert_chunk(scene, task, cfg.horizon),
         kind=kind,
-        suffix=suffix,
-        target=target,
+        turns=tuple(turns),
     )

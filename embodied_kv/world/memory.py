@@ -29,7 +29,12 @@ class MemoryQuery:
     @property
     def prompt(self) -> str:
         """The plan request's text, appended after a frame's prefix (TaskKind.PLAN)."""
-        return f"\nFacts: {' '.join(self.facts)}\nQuery: {self.query}\nAnswer: "
+        return f"\nFacts: {' '.join(self.facts)}{self.follow_up}"
+
+    @property
+    def follow_up(self) -> str:
+        """The query alone: what a further query over the same facts appends (training)."""
+        return f"\nQuery: {self.query}\nAnswer: "
 
 
 def fact_stream(rng: np.random.Generator, n_containers: int, n_movables: int, n_updates: int):
@@ -69,14 +74,30 @@ def sample_query(
     n_updates: int = 1,
 ) -> MemoryQuery:
     """A fact stream and a query needing `hops` (1 or 2) lookups into it."""
-    if hops not in (1, 2):
+    return sample_queries(rng, [hops], n_containers, n_movables, n_updates)[0]
+
+
+def sample_queries(
+    rng: np.random.Generator,
+    hops: list[int],
+    n_containers: int = 2,
+    n_movables: int = 2,
+    n_updates: int = 1,
+) -> list[MemoryQuery]:
+    """One fact stream and a query per entry of `hops` over it (training asks several
+    about the same facts: more answers per prefill)."""
+    if not hops or any(h not in (1, 2) for h in hops):
         raise ValueError(f"hops={hops}; only 1 and 2 are defined")
     facts, place, holder = fact_stream(rng, n_containers, n_movables, n_updates)
-    if hops == 1:
-        c = sorted(place)[rng.integers(len(place))]
-        return MemoryQuery(1, tuple(facts), f"where is the {c} ?", place[c])
-    m = sorted(holder)[rng.integers(len(holder))]
-    return MemoryQuery(2, tuple(facts), f"where is the {m} ?", place[holder[m]])
+    out = []
+    for h in hops:
+        if h == 1:
+            c = sorted(place)[rng.integers(len(place))]
+            out.append(MemoryQuery(1, tuple(facts), f"where is the {c} ?", place[c]))
+        else:
+            m = sorted(holder)[rng.integers(len(holder))]
+            out.append(MemoryQuery(2, tuple(facts), f"where is the {m} ?", place[holder[m]]))
+    return out
 
 
 def _names(rng: np.random.Generator, shapes: tuple[str, ...], n: int) -> list[str]:

@@ -9,9 +9,9 @@ import pytest
 from embodied_kv.model.prompt import WordTokenizer, format_prompt
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.world.dataset import DataConfig, make_sample
-from embodied_kv.world.memory import sample_query
+from embodied_kv.world.memory import sample_queries, sample_query
 from embodied_kv.world.narration import TEMPLATES, narrate
-from embodied_kv.world.questions import KINDS, sample_question
+from embodied_kv.world.questions import KINDS, LEFT_MARGIN, ask_left, sample_question
 from embodied_kv.world.scene import make_scene
 from embodied_kv.world.tasks import PutTask
 from embodied_kv.world.vocab import vocabulary
@@ -62,7 +62,7 @@ def test_memory_queries_need_the_latest_facts_and_their_hops():
         about = [f for f in mq.facts if f.startswith(f"the {thing} is on")]
         superseded += len(about) > 1
     assert superseded > 10  # the stream does change the answers over time
-    with pytest.raises(ValueError, match="hops=3"):
+    with pytest.raises(ValueError, match=r"hops=\[3\]"):
         sample_query(np.random.default_rng(0), 3)
 
 
@@ -79,3 +79,24 @@ def test_every_world_text_is_in_the_closed_vocabulary(tmp_path):
     task = PutTask("red ball", "blue box")
     for phase in TEMPLATES:
         assert unk not in tok.encode(narrate(phase, task))
+
+
+def test_left_questions_only_about_pairs_apart_in_x():
+    asked = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        scene = make_scene(rng)
+        qa = ask_left(scene, rng)
+        if qa is None:
+            continue
+        asked += 1
+        m = re.match(r"is the (\w+ \w+) left of the (\w+ \w+) \?", qa.question)
+        a, b = scene.get(m.group(1)), scene.get(m.group(2))
+        assert abs(a.x - b.x) >= LEFT_MARGIN and qa.answer == ("yes" if a.x < b.x else "no")
+    assert asked > 190
+
+
+def test_several_queries_share_one_fact_stream():
+    qs = sample_queries(np.random.default_rng(3), [1, 2, 2, 1], 3, 3, 4)
+    assert len({q.facts for q in qs}) == 1 and [q.hops for q in qs] == [1, 2, 2, 1]
+    assert qs[0].prompt.endswith(qs[0].follow_up) and qs[1].follow_up.startswith("\nQuery: ")
