@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import save_weights
-from embodied_kv.train.batch import IGNORE, make_batch
+from embodied_kv.train.batch import make_batch
 from embodied_kv.train.losses import compute_losses
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
@@ -123,14 +123,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                    for i in range(cfg.batch)]  # fmt: skip
         batches = [make_batch(part, model.tokenizer, mcfg).to(model.device)
                    for part in length_buckets(samples, cfg.buckets)]  # fmt: skip
-        n_text = sum(int((b.labels != IGNORE).sum()) for b in batches)
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step, done)
         opt.zero_grad(set_to_none=True)
         parts = []
         for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
-            losses = compute_losses(model, b, gen, cfg.flow_weight,
-                                    losses_share(b, n_text), b.size / cfg.batch)  # fmt: skip
+            losses = compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch)
             losses.total.backward()
             parts.append(losses)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -171,14 +169,10 @@ def length_buckets(samples: list[Sample], parts: int) -> list[list[Sample]]:
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
-def losses_share(batch, n_text: int) -> float:
-    return int((batch.labels != IGNORE).sum()) / max(1, n_text)
-
-
 def step_record(step: int, parts: list, seconds: float) -> dict:
     """One step's log record from its buckets' losses (means weighted as in the loss)."""
-    n_text = sum(p.n_text for p in parts) or 1
     n = sum(p.n_samples for p in parts)
+    n_text = sum(p.n_text for p in parts) or 1
     first: dict[str, list[int]] = {}
     for p in parts:
         for k, (r, c) in p.first_right.items():
@@ -187,7 +181,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
     return {
         "step": step,
         "loss": float(sum(p.total.detach() for p in parts)),
-        "text": sum(p.text * p.n_text for p in parts) / n_text,
+        "text": sum(p.text * p.n_samples for p in parts) / n,
         "flow": sum(p.flow * p.n_samples for p in parts) / n,
         "text_acc": sum(p.text_acc * p.n_text for p in parts) / n_text,
         "first": first,

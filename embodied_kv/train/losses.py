@@ -41,15 +41,18 @@ def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
 
 def compute_losses(
     model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0,
-    text_share: float = 1.0, sample_share: float = 1.0,
+    sample_share: float = 1.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
-    target tokens / samples (a step split into length buckets sums to the full means)."""
+    samples (a step split into length buckets sums to the full means). The text loss is
+    the mean over samples of each sample's mean token loss: an `actions` sample's 80 ids
+    weigh as much as a plan's few answer words (per token, the action ids would be three
+    quarters of the text loss and the answers a few percent)."""
     out = backbone_forward(model, batch)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
     logits = text_logits(model, out, rows, cols)  # [N, V]
     targets = batch.labels[rows, cols]
-    text = F.cross_entropy(logits, targets)
+    text = per_sample_mean(F.cross_entropy(logits, targets, reduction="none"), rows, batch.size)
     right = logits.argmax(-1) == targets
     acc = right.float().mean()
     actions = batch.actions
@@ -60,10 +63,21 @@ def compute_losses(
     x_t = tt * noise + (1 - tt) * actions
     v = expert_velocity(model, out, x_t, t)
     flow = F.mse_loss(v, noise - actions)
-    total = text * text_share + flow_weight * flow * sample_share
+    total = (text + flow_weight * flow) * sample_share
     return Losses(total, float(text.detach()), float(flow.detach()), float(acc),
                   _first_right(batch, rows, cols, right), int(rows.numel()),
                   batch.size)  # fmt: skip
+
+
+def per_sample_mean(loss: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[N] token losses of rows [N] (sample index) -> the mean over samples with any
+    target of their mean token loss."""
+    total = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(0, rows, loss)
+    count = torch.zeros(n, dtype=loss.dtype, device=loss.device).index_add(
+        0, rows, torch.ones_like(loss)
+    )
+    has = count > 0
+    return (total[has] / count[has]).mean()
 
 
 def _first_right(batch: Batch, rows, cols, right) -> dict[str, list[int]]:
