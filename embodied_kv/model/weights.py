@@ -36,6 +36,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     ada_dense = {id(m.dense) for m in model.modules() if isinstance(m, AdaRMSNorm)}
+    vision_pos = {
+        id(m.position_embedding) for m in model.modules() if hasattr(m, "position_embedding")
+    }
     for m in model.modules():
         if isinstance(m, AdaRMSNorm):
             m.dense.weight.normal_(0.0, INIT_STD, generator=g)
@@ -46,6 +49,12 @@ def init_weights(model: nn.Module, seed: int) -> None:
             m.weight.normal_(0.0, fan_in**-0.5, generator=g)
             if m.bias is not None:
                 m.bias.zero_()
+        elif isinstance(m, nn.Embedding) and id(m) in vision_pos:
+            # SigLIP `_init_weights`: position embeddings std 1/sqrt(width). At 0.02 they
+            # are ~25x weaker than the patch features: the tower sees a bag of patches and
+            # learns where things are only slowly (a world model trained so answered every
+            # scene question with one word after 2,000 steps)
+            m.weight.normal_(0.0, m.embedding_dim**-0.5, generator=g)
         elif isinstance(m, nn.Embedding):
             m.weight.normal_(0.0, INIT_STD, generator=g)
         elif isinstance(m, nn.LayerNorm):
