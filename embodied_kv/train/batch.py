@@ -30,6 +30,7 @@ class Batch:
     text_len: torch.Tensor  # [B] valid text tokens
     labels: torch.Tensor  # [B, T] next-token targets, IGNORE where no loss
     actions: torch.Tensor  # [B, H, A] expert chunks (A = the model's padded action_dim)
+    patches: torch.Tensor  # [B, I] class id of each image token's patch (render.LABELS)
     kinds: list[str]
 
     @property
@@ -82,6 +83,7 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         text_len=torch.tensor([len(r) for r in rows]),
         labels=labels,
         actions=actions.float(),
+        patches=torch.from_numpy(np.stack([s.patches.reshape(-1) for s in samples])),
         kinds=[s.kind for s in samples],
     )
 

@@ -29,6 +29,7 @@ class BackboneOut:
     values: list[torch.Tensor]  # per layer [B, Hkv, L, D]
     prefix_len: torch.Tensor  # [B] P_b
     image_tokens: int  # I
+    images: torch.Tensor | None = None  # [B, I, W] the projected image tokens (aux loss)
 
 
 def backbone_forward(model, batch: Batch) -> BackboneOut:
@@ -64,7 +65,7 @@ def backbone_forward(model, batch: Batch) -> BackboneOut:
         )  # [B, Hq, L, D]
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, seq, heads * d))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return BackboneOut(bb.norm(x), keys, values, prefix, n_img)
+    return BackboneOut(bb.norm(x), keys, values, prefix, n_img, img)
 
 
 def text_logits(model, out: BackboneOut, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from embodied_kv.train.losses import compute_losses
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.world.dataset import DataConfig, Sample, make_sample
+from embodied_kv.world.render import LABELS
 
 ACTION_TOKENS_GUESS = 80  # bins ids of a world chunk (10 x 8), for length bucketing
 TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
@@ -41,6 +42,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     flow_weight: float = 1.0
+    # auxiliary loss: each image token's patch class (world/render.py patch_labels) from
+    # a linear head that lives only in training (not in the weights); 0 = off
+    patch_weight: float = 1.0
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 200
@@ -98,11 +102,15 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     tok_path = save_tokenizer(out / TOKENIZER_FILE)
     mcfg = world_config(cfg.preset, cfg.seed)
     data = DataConfig(**{**vars(cfg.data), "image_size": mcfg.vision.image_size,
+                         "patch": mcfg.vision.patch_size,
                          "horizon": mcfg.action_horizon})  # fmt: skip
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+    torch.manual_seed(cfg.seed)  # the patch head's init
+    head = torch.nn.Linear(mcfg.backbone.width, len(LABELS)).to(cfg.device)
+    params = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    head = head if cfg.patch_weight > 0 else None
     gen = torch.Generator().manual_seed(cfg.seed)
     log_path = out / "train_log.jsonl"
     log_path.write_text("")
@@ -128,7 +136,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         opt.zero_grad(set_to_none=True)
         parts = []
         for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
-            losses = compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch)
+            losses = compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch,
+                                    head, cfg.patch_weight)  # fmt: skip
             losses.total.backward()
             parts.append(losses)
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -184,6 +193,8 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "text": sum(p.text * p.n_samples for p in parts) / n,
         "flow": sum(p.flow * p.n_samples for p in parts) / n,
         "text_acc": sum(p.text_acc * p.n_text for p in parts) / n_text,
+        "patch": sum(p.patch * p.n_samples for p in parts) / n,
+        "patch_acc": sum(p.patch_acc * p.n_samples for p in parts) / n,
         "first": first,
         "seconds": round(seconds, 2),
     }

@@ -30,6 +30,8 @@ class Losses:
     first_right: dict[str, list[int]]
     n_text: int  # target tokens in the batch
     n_samples: int
+    patch: float = 0.0  # auxiliary patch-class cross-entropy (0 without a head)
+    patch_acc: float = 0.0
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -41,7 +43,8 @@ def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
 
 def compute_losses(
     model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0,
-    sample_share: float = 1.0,
+    sample_share: float = 1.0, patch_head: torch.nn.Module | None = None,
+    patch_weight: float = 1.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
@@ -63,10 +66,16 @@ def compute_losses(
     x_t = tt * noise + (1 - tt) * actions
     v = expert_velocity(model, out, x_t, t)
     flow = F.mse_loss(v, noise - actions)
-    total = (text + flow_weight * flow) * sample_share
-    return Losses(total, float(text.detach()), float(flow.detach()), float(acc),
-                  _first_right(batch, rows, cols, right), int(rows.numel()),
-                  batch.size)  # fmt: skip
+    total = text + flow_weight * flow
+    patch = patch_acc = torch.zeros(())
+    if patch_head is not None:  # [B, I, K] vs [B, I]
+        patch_logits = patch_head(out.images.float())
+        patch = F.cross_entropy(patch_logits.flatten(0, 1), batch.patches.flatten())
+        patch_acc = (patch_logits.argmax(-1) == batch.patches).float().mean()
+        total = total + patch_weight * patch
+    return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
+                  float(acc), _first_right(batch, rows, cols, right), int(rows.numel()),
+                  batch.size, float(patch.detach()), float(patch_acc))  # fmt: skip
 
 
 def per_sample_mean(loss: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:

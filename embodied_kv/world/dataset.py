@@ -10,6 +10,10 @@ appended after the frame's prompt exactly as the engine appends it:
     actions   ''                                          -> the chunk's `bins` action
               tokens (train/batch.py encodes them: the autoregressive action mode)
 
+Every sample also carries per-patch class labels of its cameras (render.patch_labels):
+the dense target of an auxiliary loss on the image tokens, as pi0.5 co-trains its VLM
+on object detection — one label per patch instead of one answer word per question.
+
 Answers and plans carry `turns` questions about the same scene / facts: the first is
 laid out exactly as the engine asks it, the others follow it ('\nQuestion: ...' again,
 after the previous answer's EOS) — more answers per prefill, the same format.
@@ -25,7 +29,7 @@ from embodied_kv.world.expert import expert_action, expert_chunk
 from embodied_kv.world.memory import sample_queries
 from embodied_kv.world.narration import narrate
 from embodied_kv.world.questions import sample_question
-from embodied_kv.world.render import observation_images
+from embodied_kv.world.render import observation_images, patch_labels
 from embodied_kv.world.scene import ACTION_DIM, make_scene
 from embodied_kv.world.tasks import sample_task
 
@@ -35,6 +39,7 @@ TEXT_KINDS = ("answer", "plan", "narration", "actions")
 @dataclass(frozen=True)
 class DataConfig:
     image_size: int = 64  # world preset: VisionConfig.image_size
+    patch: int = 8  # world preset: VisionConfig.patch_size (the patch labels' grid)
     horizon: int = 10  # world preset: action_horizon
     # answer, plan, narration, actions (the `bins` tokens of the chunk)
     text_mix: tuple[float, ...] = (0.3, 0.35, 0.1, 0.25)
@@ -67,6 +72,7 @@ class Sample:
     actions: np.ndarray  # [horizon, ACTION_DIM] expert chunk
     kind: str  # one of TEXT_KINDS
     turns: tuple[tuple[str, str], ...]  # (text after the prompt or the previous EOS, target)
+    patches: np.ndarray  # [cameras, patches] class ids (render.LABELS): the auxiliary target
 
     @property
     def suffix(self) -> str:
@@ -114,4 +120,5 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         actions=expert_chunk(scene, task, cfg.horizon),
         kind=kind,
         turns=tuple(turns),
+        patches=patch_labels(scene, cfg.image_size, cfg.patch),
     )
