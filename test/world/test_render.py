@@ -3,8 +3,18 @@
 import numpy as np
 import pytest
 
-from embodied_kv.world.render import RGB, observation_images, render
-from embodied_kv.world.scene import Arm, Scene, Thing
+from embodied_kv.world.render import (
+    ARM_OPEN_RGB,
+    CAMERAS,
+    LABELS,
+    RGB,
+    label_map,
+    label_of,
+    observation_images,
+    patch_labels,
+    render,
+)
+from embodied_kv.world.scene import Arm, Scene, Thing, make_scene
 
 
 def pixel(img, x, y):
@@ -49,3 +59,26 @@ def test_bad_camera_and_size():
         render(s, "side", 32)
     with pytest.raises(ValueError, match="image size"):
         render(s, "top", 4)
+
+
+def test_label_map_paints_what_render_paints():
+    for seed in range(5):
+        scene = make_scene(np.random.default_rng(seed))
+        for cam in CAMERAS:
+            img, lab = render(scene, cam, 64), label_map(scene, cam, 64)
+            for t in scene.things:  # every pixel of a thing's class has the thing's colour
+                mask = lab == label_of(t.colour, t.shape)
+                assert (img[mask] == RGB[t.colour]).all()
+            assert (lab > 0).sum() > 0 and (img[lab == 0] != ARM_OPEN_RGB).any(axis=-1).all()
+
+
+def test_patch_labels_name_the_object_in_each_patch():
+    scene = Scene([Thing("red", "block", -0.875 + 0.25 * 2, 0.875 - 0.25 * 5)])
+    scene.arm.x, scene.arm.y = 0.6, 0.6
+    labels = patch_labels(scene, 64, 8)  # 8 x 8 patches of 0.25 table units each
+    assert labels.shape == (2, 64)
+    top = labels[0].reshape(8, 8)
+    assert top[5, 2] == label_of("red", "block")  # row from the far edge, column from the left
+    assert set(np.unique(top)) == {0, label_of("red", "block"), LABELS.index("arm open")}
+    with pytest.raises(ValueError, match="multiple of patch"):
+        patch_labels(scene, 64, 7)
