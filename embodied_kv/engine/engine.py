@@ -29,7 +29,7 @@ from embodied_kv.engine.faults import CycleFaults
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
 from embodied_kv.engine.graphs import GraphRunner, default_mode
 from embodied_kv.engine.history import EPISODE_START, StepHistory, check_client_name
-from embodied_kv.engine.loading import load_model
+from embodied_kv.engine.loading import load_model, model_source
 from embodied_kv.engine.observation_state import (
     check_observation,
     load_observation,
@@ -53,7 +53,6 @@ from embodied_kv.model.action_tokens import (
     ActionTokenConfig,
     make_action_tokenizer,
 )
-from embodied_kv.model.config import get_preset
 from embodied_kv.model.robot_loader import RobotSpec, load_robot_io
 from embodied_kv.model.vla import Observation
 from embodied_kv.timing import device_clock, elapsed_ms
@@ -129,10 +128,13 @@ class Engine:
         on a CUDA device when cfg.cuda_graphs, else none."""
         self.cfg = cfg
         torch.set_num_threads(cfg.threads)
-        c = model.cfg if model is not None else get_preset(cfg.preset)
+        # an own-layout weights file's config, or the preset's; the preset's shipped weights
+        self.source = model_source(cfg) if model is None else None
+        c = model.cfg if model is not None else self.source.cfg
+        weights = self.source.weights if self.source else cfg.weights
         # The robot's units at the engine boundary: observe() normalises the state, every
         # chunk is un-normalised and sliced before the queue (model/action_space.py).
-        self.robot = robot or load_robot_io(cfg.robot, cfg.weights, c.state_dim, c.action_dim)
+        self.robot = robot or load_robot_io(cfg.robot, weights, c.state_dim, c.action_dim)
         self.lock = threading.RLock()
         loop_cfg = LoopConfig(
             period_s=cfg.period_s,
@@ -145,7 +147,7 @@ class Engine:
             request_tokens=cfg.request_tokens,
         )
         rows = arena_rows(cfg.max_len, c, loop_cfg)  # a bad max_len fails before any weights
-        self.model = model or load_model(cfg)
+        self.model = model or load_model(cfg, self.source)
         self.manager = KVCacheManager(self.model, cfg.num_slots, rows)
         self.action_tokens = None
         if cfg.action_mode == "ar":  # the model's vocabulary holds the action ids

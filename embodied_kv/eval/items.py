@@ -1,0 +1,98 @@
+"""The held-out items of `eval world` and how a runner (eval/runners.py) goes through
+them: closed-loop episodes, scene questions, memory queries. Seeds lie above every
+training seed (train/loop.py EVAL_SEED_BASE); item i is a pure function of (cfg, i)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from embodied_kv.kv.manager import TaskKind
+from embodied_kv.train.loop import EVAL_SEED_BASE
+from embodied_kv.world import memory, questions
+from embodied_kv.world.expert import expert_chunk
+from embodied_kv.world.scene import Scene, make_scene
+from embodied_kv.world.tasks import PutTask, sample_task
+
+ACTION_MODES = ("flow", "ar")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    episodes: int = 50
+    questions: int = 60  # scene questions (kinds in turn)
+    memory: int = 60  # memory queries, half one-hop, half two-hop
+    max_cycles: int = 12  # control cycles per episode (the expert needs <= 5)
+    replan_every: int = 5  # actions executed per chunk (EngineConfig.replan_every)
+    memory_updates: int = 1
+    seed: int = EVAL_SEED_BASE  # held out: above every training seed (train/loop.py)
+    action_mode: str = "flow"  # flow: the action expert | ar: bins action tokens (ActionFlow)
+    sanity: int = 0  # episodes, questions and queries re-run for the exactness rows (0: none)
+
+    def __post_init__(self):
+        if min(self.episodes, self.questions, self.memory, self.sanity) < 0:
+            raise ValueError(f"counts must be >= 0: {self}")
+        if self.max_cycles < 1 or self.replan_every < 1:
+            raise ValueError(f"max_cycles={self.max_cycles}, replan_every={self.replan_every} "
+                             "must be >= 1")  # fmt: skip
+        if self.action_mode not in ACTION_MODES:
+            raise ValueError(f"action_mode={self.action_mode!r}; use one of {ACTION_MODES}")
+
+
+@dataclass
+class Episode:
+    success: bool
+    chunks: list[np.ndarray]  # [H, A] each, as the runner returned them
+
+
+def episode(scene_seed: int) -> tuple[Scene, PutTask]:
+    rng = np.random.default_rng(scene_seed)
+    scene = make_scene(rng)
+    return scene, sample_task(scene, rng)
+
+
+def run_episode(runner, cfg: EvalConfig, index: int, start: int = 0, state=None) -> Episode:
+    """Held-out episode `index` in closed loop (runner None: the scripted expert). `state`
+    (scene, task) with `start` > 0 resumes one from that cycle (sanity.py's replay)."""
+    scene, task = state or episode(cfg.seed + index)
+    if runner is not None and start == 0:
+        runner.begin()
+    chunks = []
+    for c in range(start, cfg.max_cycles):
+        if runner is None:
+            chunk = expert_chunk(scene, task, cfg.replan_every)
+        else:
+            chunk = runner.act(scene, task.instruction, c)
+        chunks.append(chunk)
+        for a in chunk[: cfg.replan_every]:
+            scene.step(a)
+        if task.success(scene):
+            return Episode(True, chunks)
+    return Episode(False, chunks)
+
+
+def closed_loop(runner, cfg: EvalConfig) -> float:
+    """Task success rate over cfg.episodes; runner None runs the scripted expert."""
+    if cfg.episodes == 0:
+        return float("nan")
+    return float(np.mean([run_episode(runner, cfg, e).success for e in range(cfg.episodes)]))
+
+
+def question_item(cfg: EvalConfig, i: int) -> tuple[Scene, PutTask, questions.QA]:
+    scene, task = episode(cfg.seed + 10**6 + i)
+    rng = np.random.default_rng(cfg.seed + 2 * 10**6 + i)
+    kind = questions.KINDS[i % len(questions.KINDS)]
+    return scene, task, questions.sample_question(scene, rng, kind)
+
+
+def memory_item(cfg: EvalConfig, i: int) -> tuple[Scene, PutTask, memory.MemoryQuery]:
+    scene, task = episode(cfg.seed + 3 * 10**6 + i)
+    rng = np.random.default_rng(cfg.seed + 4 * 10**6 + i)
+    return scene, task, memory.sample_query(rng, 1 + i % 2, n_updates=cfg.memory_updates)
+
+
+def answer(runner, scene: Scene, instruction: str, text: str, kind: TaskKind) -> str:
+    """Ask on this scene's frame of a fresh episode -> the finished text."""
+    runner.begin()
+    return runner.finish(runner.submit(scene, instruction, text, kind))
