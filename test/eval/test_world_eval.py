@@ -4,7 +4,8 @@ scripted expert in the same closed loop succeeds (the world and its success test
 import json
 
 from embodied_kv.cli import main
-from embodied_kv.eval.world import EvalConfig, closed_loop, run
+from embodied_kv.eval.items import EvalConfig, closed_loop
+from embodied_kv.eval.world import run
 
 
 def test_random_floor_near_chance_and_expert_ceiling():
@@ -27,8 +28,8 @@ def test_expert_closed_loop_succeeds_on_held_out_episodes():
 
 def test_cli_eval_world_writes_json(tmp_path, capsys):
     out = tmp_path / "eval.json"
-    rc = main(["eval", "world", "--episodes", "1", "--questions", "3", "--memory", "2",
-               "--json", str(out)])  # fmt: skip
+    rc = main(["eval", "world", "--weights", "", "--episodes", "1", "--questions", "3",
+               "--memory", "2", "--sanity", "0", "--json", str(out)])  # fmt: skip
     assert rc == 0
     data = json.loads(out.read_text())
     assert set(data["rows"]) == {"random", "expert"} and "date" in data
@@ -36,5 +37,25 @@ def test_cli_eval_world_writes_json(tmp_path, capsys):
     assert main(["eval", "nothing"]) == 2
     assert main(["eval", "world", "--weights", str(tmp_path / "none.safetensors")]) == 2
     assert main(["eval", "world", "--episodes", "-1"]) == 2
+    assert main(["eval", "world", "--sanity", "-1"]) == 2
     assert main(["train", "--steps", "-3"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_sanity_rows_unified_isolated_and_restored_runs_agree_byte_for_byte():
+    cfg = EvalConfig(episodes=2, questions=2, memory=2, sanity=2)
+    rows = run("", "", cfg, oracle=False)["rows"]["random"]["sanity"]
+    assert set(rows) == {"unified_vs_isolated", "restore_vs_never"}
+    for row in rows.values():
+        assert row["exact"], row
+        assert row["chunks"] == row["chunks_equal"] == 2 * cfg.max_cycles  # random: no success
+        assert row["answers"] == row["answers_equal"] == 4
+
+
+def test_ar_mode_acts_with_bins_tokens_through_the_pipeline():
+    cfg = EvalConfig(episodes=1, questions=1, memory=1, sanity=1, action_mode="ar", max_cycles=2)
+    result = run("", "", cfg, oracle=False)
+    row = result["rows"]["random"]
+    assert result["config"]["action_mode"] == "ar" and row["success"] == 0.0
+    assert set(row["sanity"]) == {"unified_vs_separate", "restore_vs_never"}
+    assert all(r["exact"] and r["chunks"] == 2 for r in row["sanity"].values()), row["sanity"]
