@@ -43,6 +43,12 @@ class ModelSource:
     tokenizer: str | None
     shipped: bool  # the weights are the package's own trained default
 
+    @property
+    def label(self) -> str:
+        if not self.weights:
+            return "random"
+        return f"shipped {self.weights}" if self.shipped else self.weights
+
 
 def shipped_weights(preset: str) -> Path | None:
     """The trained weights the package ships for `preset`, when installed."""

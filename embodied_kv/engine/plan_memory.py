@@ -62,9 +62,12 @@ class PlanMemory:
         self.segments[key] = text
 
     def prompt(self, goal: str) -> str:
+        """The segments' texts in insertion order as the facts of a memory query, the goal
+        as its query: world/memory.py MemoryQuery.prompt, the format the `world` model
+        was trained on (one fact sentence per segment)."""
         with self._lock:
-            lines = [f"- {k}: {text}" for k, text in self.segments.items()] or ["- (empty)"]
-        return "\nMemory:\n" + "\n".join(lines) + f"\nGoal: {goal}\nPlan: "
+            facts = " ".join(self.segments.values())
+        return f"\nFacts: {facts}\nQuery: {goal}\nAnswer: "
 
     # -- capsule section (kv.capsule.Stateful) ---------------------------------------------
 

@@ -6,12 +6,22 @@ from dataclasses import dataclass, field
 
 from embodied_kv.msg import TextChunk
 from embodied_kv.ros.rate_probe import RateSummary
+from embodied_kv.world.sim import EpisodeResult
 
 TEXT_WIDTH = 72
 KINDS = {TextChunk.TASK_NARRATION: "narration", TextChunk.TASK_ANSWER: "answer",
          TextChunk.TASK_PLAN: "plan"}  # fmt: skip
 ENDINGS = {TextChunk.STATUS_TRUNCATED: "truncated", TextChunk.STATUS_REFUSED: "refused",
            TextChunk.STATUS_CANCELLED: "cancelled"}  # fmt: skip
+SHOWN_EPISODES = 4  # the last episodes listed one by one
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A question or memory query the demo sent, with the world's true answer."""
+
+    text: str
+    truth: str
 
 
 @dataclass
@@ -22,8 +32,11 @@ class Report:
     chunks: int = 0
     text: dict = field(default_factory=dict)  # request id -> last TextChunk
     pieces: dict = field(default_factory=dict)  # request id -> chunks received
-    questions: tuple[str, ...] = ()
-    goals: tuple[str, ...] = ()
+    questions: list[Asked] = field(default_factory=list)  # in the order sent
+    goals: list[Asked] = field(default_factory=list)  # memory queries, in the order sent
+    episodes: list[EpisodeResult] = field(default_factory=list)  # ended, in order
+    episode_steps: int = 0  # actions applied in the episode still running
+    rejected_actions: int = 0  # action messages the simulated robot could not apply
     diagnostics: object | None = None  # the last DiagnosticArray
     peak_tokens_per_s: float = 0.0  # highest tokens/s /diagnostics reported (30 cycles)
     snapshot: str = ""
@@ -59,11 +72,14 @@ class Report:
             f"fresh action) {output.get('deadline_misses', '?')}, chunks after their deadline "
             f"{engine.get('chunks_after_deadline', '?')}, cycle overruns "
             f"{engine.get('cycle_overruns', '?')}",
+            f"weights: {engine.get('weights', '?')}",
+            *self._episodes(),
             f"language: {engine.get('tokens', '?')} tokens in {engine.get('cycles', '?')} engine "
             f"cycles, {_tokens_per_s(engine, self.seconds)} tokens/s over the run, "
-            f"{self.peak_tokens_per_s:.0f} tokens/s at the busiest "
-            "(random weights: the text is noise):",
-        ]
+            f"{self.peak_tokens_per_s:.0f} tokens/s at the busiest"
+            + (" (random weights: the text is noise):" if engine.get("weights") == "random"
+               else ":"),
+        ]  # fmt: skip
         lines += self._texts()
         lines.append(f"snapshot: {self.snapshot or 'not taken'}")
         if self.reset is not None:
@@ -91,19 +107,44 @@ class Report:
             if task == TextChunk.TASK_NARRATION:
                 out.append(f"  {len(chunks)} narrations streamed; the last:")
                 chunks = chunks[-1:]
+            asked = prompts.get(task, [])
+            right = 0
             for i, c in enumerate(chunks):
-                asked = prompts.get(task, ())
-                prompt = f" {asked[i]!r} ->" if i < len(asked) else ""
+                prompt = f" {asked[i].text!r} ->" if i < len(asked) else ""
                 state = "done" if c.done else "still streaming"
                 if c.done and c.status != TextChunk.STATUS_OK:
                     ending = ENDINGS.get(c.status, f"status {c.status}")
                     why = c.reason if c.reason.startswith(ending) else f"{ending}: {c.reason}"
                     state += f", {why}"
+                truth = ""
+                if i < len(asked) and c.done:
+                    ok = c.text_so_far.strip() == asked[i].truth
+                    right += ok
+                    truth = f" [true: {asked[i].truth!r}, {'right' if ok else 'wrong'}]"
                 out.append(
-                    f"  [{c.request_id.split('@')[0]}]{prompt} {_short(c.text_so_far)} "
+                    f"  [{c.request_id.split('@')[0]}]{prompt} {_short(c.text_so_far)}{truth} "
                     f"({self.pieces.get(c.request_id, 0)} chunks, {state})"
                 )
+            if asked:
+                kind = "answers" if task == TextChunk.TASK_ANSWER else "plans"
+                out.append(f"  {kind} right: {right} of {len(asked)} asked")
         return out
+
+    def _episodes(self) -> list[str]:
+        """The simulated arm's tasks: how many ended, how many succeeded, the last few."""
+        n, wins = len(self.episodes), sum(e.success for e in self.episodes)
+        rate = f" ({wins / n:.0%})" if n else ""
+        lines = [
+            f"task success: {wins} of {n} episodes{rate}; one more running "
+            f"({self.episode_steps} actions in)"
+            + (f"; {self.rejected_actions} action messages not applicable"
+               if self.rejected_actions else "")
+        ]  # fmt: skip
+        for e in self.episodes[-SHOWN_EPISODES:]:
+            verdict = "done" if e.success else "failed (step limit)"
+            lines.append(f"  episode {e.index + 1} {e.instruction!r}: {verdict} "
+                         f"after {e.steps} actions")  # fmt: skip
+        return lines
 
 
 def _order(request_id: str) -> tuple[str, int]:

@@ -1,5 +1,8 @@
-"""The demo's side of the wire: a simulated robot, a listener on every output topic,
-the capsule service clients and the scripted episode that `make demo` plays."""
+"""The demo's side of the wire: a simulated robot in the numpy tabletop world, a listener
+on every output topic, the capsule service clients and the script that `make demo` plays:
+episodes of the world's pick-and-place tasks back to back for the whole run, scene
+questions and memory queries of the world (their true answers kept for the report), a
+snapshot and a reset."""
 
 from __future__ import annotations
 
@@ -7,29 +10,28 @@ import threading
 import time
 from collections import defaultdict
 
+import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from std_msgs.msg import Float64MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
+from embodied_kv.model.config import get_preset
 from embodied_kv.msg import MemoryUpdate, TextChunk
-from embodied_kv.ros.demo_report import Report
+from embodied_kv.ros.demo_report import Asked, Report
 from embodied_kv.ros.params import RobotParams
 from embodied_kv.ros.prefill import DEFAULT_CAMERAS, DEFAULT_JOINTS, camera_topic
 from embodied_kv.ros.rate_probe import RateProbe
 from embodied_kv.ros.sim_robot import SimRobot
 from embodied_kv.srv import ListCapsules, Reset, Snapshot
+from embodied_kv.world import memory, questions
+from embodied_kv.world.sim import WorldSim
 
 SERVICE_TIMEOUT_S = 10.0
-
-QUESTIONS = ("what is on the table?", "which object is closest to the gripper?")
-GOALS = ("put the red block in the bowl", "stack the blue cup on the red block")
-MEMORY = (
-    ("object/red_block", "red block at the left edge of the table"),
-    ("object/bowl", "white bowl in the middle of the table"),
-    ("object/blue_cup", "blue cup right of the bowl"),
-)
+# held-out world seeds: above every training seed (train/loop.py EVAL_SEED_BASE = 2**48)
+# and apart from `eval world`'s items
+DEMO_SEED = 2**48 + 9 * 10**6
 
 
 class Listener:
@@ -76,12 +78,16 @@ class DemoWorld:
         self.executor.add_node(self.node)
         self._spinner = threading.Thread(target=self._spin, name="demo-executor", daemon=True)
         self._spinner.start()
-        cameras = [camera_topic(e)[1:] for e in prefill.get("cameras", DEFAULT_CAMERAS)]
-        self.sim = SimRobot(self.node, cameras, list(prefill.get("joint_names", DEFAULT_JOINTS)))
+        cameras = [camera_topic(e) for e in prefill.get("cameras", DEFAULT_CAMERAS)]
+        size = get_preset(str(prefill.get("preset", "world"))).vision.image_size
+        self.world = WorldSim(DEMO_SEED)
+        joints = list(prefill.get("joint_names", DEFAULT_JOINTS))
+        self.sim = SimRobot(self.node, self.world, cameras, joints, size)
         self.listener = Listener(self.node, 1.0 / self.rate_hz)
         self.snapshot = self.node.create_client(Snapshot, "kv_manager/snapshot")
         self.reset = self.node.create_client(Reset, "kv_manager/reset")
         self.list = self.node.create_client(ListCapsules, "kv_manager/list_capsules")
+        self.rng = np.random.default_rng(DEMO_SEED)
 
     def _spin(self) -> None:
         try:
@@ -102,9 +108,11 @@ class DemoWorld:
         return future.result()
 
     def play(self, seconds: float) -> Report:
-        """The scripted episode; returns what was seen."""
+        """The script over the world's episodes, which run back to back meanwhile;
+        returns what was seen."""
         report = Report(target_hz=self.rate_hz, seconds=seconds)
         sim, t0 = self.sim, time.monotonic()
+        facts: list[str] = []  # segment ids of the memory now
 
         def snapshot():
             r = self.call(self.snapshot, Snapshot.Request(name="demo_checkpoint", tier=1))
@@ -117,20 +125,34 @@ class DemoWorld:
             report.reset = r
             report.reset_at = time.monotonic()
 
+        def ask():
+            """A question about the scene the cameras show now; its truth at asking."""
+            with sim.lock:
+                qa = questions.sample_question(self.world.scene, self.rng)
+            report.questions.append(Asked(qa.question, qa.answer))
+            sim.ask(qa.question)
+
+        def remember(hops: int):
+            """The memory becomes the facts of a new query (one fact per segment)."""
+            for key in facts:
+                sim.remember(key, op=MemoryUpdate.OP_REMOVE)
+            mq = memory.sample_query(self.rng, hops)
+            facts[:] = [f"fact-{hops}-{i}" for i in range(len(mq.facts))]
+            for key, fact in zip(facts, mq.facts, strict=True):
+                sim.remember(key, fact)
+            report.goals.append(Asked(mq.query, mq.answer))
+
+        def plan():
+            sim.plan(report.goals[-1].text)
+
         script = [
-            (0.0, "instruction", lambda: sim.instruct("pick up the red block")),
-            *[(0.2, "memory", lambda k=k, v=v: sim.remember(k, v)) for k, v in MEMORY],
-            (1.0, "question", lambda: sim.ask(QUESTIONS[0])),
-            (3.0, "plan", lambda: sim.plan(GOALS[0])),
-            (
-                6.0,
-                "memory",
-                lambda: sim.remember(
-                    MEMORY[0][0], "red block now in the bowl", MemoryUpdate.OP_UPDATE
-                ),
-            ),  # fmt: skip
-            (6.5, "question", lambda: sim.ask(QUESTIONS[1])),
-            (8.0, "plan", lambda: sim.plan(GOALS[1])),
+            (0.0, "instruction", sim.start_episode),
+            (0.2, "memory", lambda: remember(1)),
+            (1.0, "question", ask),
+            (3.0, "plan", plan),
+            (6.0, "memory", lambda: remember(2)),
+            (6.5, "question", ask),
+            (8.0, "plan", plan),
             (min(10.0, 0.6 * seconds), "snapshot", snapshot),
             (max(seconds - 4.0, 0.8 * seconds), "reset", reset),
         ]
@@ -149,7 +171,10 @@ class DemoWorld:
             report.after_reset_s = time.monotonic() - report.reset_at
         report.chunks = self.listener.chunks
         report.text, report.pieces = dict(self.listener.text), dict(self.listener.pieces)
-        report.questions, report.goals = QUESTIONS, GOALS
+        with sim.lock:
+            report.episodes = list(self.world.results)
+            report.episode_steps = self.world.steps
+        report.rejected_actions = sim.rejected_actions
         report.diagnostics = self.listener.diagnostics
         report.peak_tokens_per_s = self.listener.peak_tokens_per_s
         try:

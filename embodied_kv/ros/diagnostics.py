@@ -31,6 +31,7 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
         message,
         {
             "preset": cfg.preset,
+            "weights": engine.source.label if engine.source else "given model",
             "device": cfg.device,
             "cycle_period_ms": 1e3 * cfg.period_s,
             "cycles": cycles.cycles,
@@ -145,3 +146,4 @@ def _ar(engine) -> dict:
         "actions_invalid": flow.counters.invalid,
         "actions_capped": flow.counters.capped,
     }
+

@@ -81,9 +81,10 @@ class EngineHost:
         t = time.perf_counter()
         self._progress(
             f"building the engine: preset {cfg.preset} on {cfg.device}, "
-            f"{'weights ' + cfg.weights if cfg.weights else 'random weights'} ..."
+            f"{'weights ' + cfg.weights if cfg.weights else 'the preset default weights'} ..."
         )
         engine = Engine(cfg)
+        self._progress(f"weights: {engine.source.label}")
         robot = engine.robot
         self._progress(f"robot: {robot.describe()}")
         arena = engine.manager.arena

@@ -1,14 +1,18 @@
-"""A simulated robot for `make demo` and the tests: what a real one would publish.
+"""A simulated robot for `make demo`: what a real one would publish, from the numpy
+tabletop world (world/sim.py).
 
-Synthetic camera frames (rgb8, or jpeg for a camera configured `:compressed`, a pattern
-that drifts with time, at the camera's own resolution so the converter resizes them)
-and joint states on timers, plus one-shot
-publishers for the instruction, questions, memory updates and plan requests.
+Camera frames (the world's cameras rendered at the model's image size: rgb8, or jpeg for
+a camera configured `:compressed`) and joint states (the arm's state vector) on timers;
+the `action` topic applied to the scene, one `Scene.step` per action received; a new
+episode's instruction published when the last one ends. One-shot publishers for
+questions, memory updates and plan requests. Every callback runs on the demo's one
+executor thread; the lock guards the world against the demo script's reads.
 """
 
 from __future__ import annotations
 
 import io
+import threading
 import time
 
 import numpy as np
@@ -16,9 +20,10 @@ from builtin_interfaces.msg import Time
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image, JointState
-from std_msgs.msg import Header, String
+from std_msgs.msg import Float64MultiArray, Header, String
 
 from embodied_kv.msg import MemoryUpdate
+from embodied_kv.world.sim import WorldSim, camera_of
 
 MATCH_TIMEOUT_S = 15.0
 
@@ -42,15 +47,6 @@ def jpeg_image(rgb: np.ndarray) -> CompressedImage:
                            data=out.getvalue())  # fmt: skip
 
 
-def pattern(h: int, w: int, t: float, phase: float) -> np.ndarray:
-    """A smooth colour pattern that drifts with time t (s): [H, W, 3] uint8."""
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    r = 127.5 * (1 + np.sin(x / 9.0 + t + phase))
-    g = 127.5 * (1 + np.sin(y / 7.0 - 0.7 * t))
-    b = 127.5 * (1 + np.sin((x + y) / 13.0 + 0.3 * t + phase))
-    return np.stack([r, g, b], axis=-1).astype(np.uint8)
-
-
 def _header(frame_id: str = "") -> Header:
     ns = time.time_ns()
     return Header(stamp=Time(sec=ns // 10**9, nanosec=ns % 10**9), frame_id=frame_id)
@@ -62,41 +58,68 @@ class SimRobot:
     def __init__(
         self,
         node: Node,
-        cameras: list[tuple[str, bool]],  # (topic, compressed)
+        world: WorldSim,
+        cameras: list[tuple[str, str, bool]],  # (name, topic, compressed)
         joint_names: list[str],
-        image_hw: tuple[int, int] = (96, 128),
+        image_size: int,  # the model's: frames need no resize
         camera_hz: float = 15.0,
         joints_hz: float = 25.0,
     ):
-        self.node, self.joint_names, self.image_hw = node, joint_names, image_hw
-        self._t0 = time.monotonic()
+        self.node, self.world, self.joint_names = node, world, joint_names
+        self.image_size = image_size
+        self.lock = threading.Lock()
+        self.rejected_actions = 0
         self._cams = [
-            (node.create_publisher(CompressedImage if c else Image, t, qos_profile_sensor_data), c)
-            for t, c in cameras
+            (
+                node.create_publisher(CompressedImage if c else Image, t, qos_profile_sensor_data),
+                camera_of(name, i),
+                c,
+            )
+            for i, (name, t, c) in enumerate(cameras)
         ]
         self._joints = node.create_publisher(JointState, "joint_states", qos_profile_sensor_data)
         self.instruction = node.create_publisher(String, "instruction", 10)
         self.question = node.create_publisher(String, "question", 10)
         self.memory = node.create_publisher(MemoryUpdate, "memory/update", 10)
         self.plan_request = node.create_publisher(String, "plan_request", 10)
+        self._action = node.create_subscription(Float64MultiArray, "action", self._on_action, 100)
         self._timers = [
             node.create_timer(1.0 / camera_hz, self._publish_frames),
             node.create_timer(1.0 / joints_hz, self._publish_joints),
         ]
 
     def _publish_frames(self) -> None:
-        t = time.monotonic() - self._t0
-        for i, (pub, compressed) in enumerate(self._cams):
-            rgb = pattern(*self.image_hw, t, phase=1.3 * i)
+        with self.lock:
+            frames = [(pub, self.world.image(cam, self.image_size), c)
+                      for pub, cam, c in self._cams]  # fmt: skip
+        for pub, rgb, compressed in frames:
             pub.publish(jpeg_image(rgb) if compressed else rgb8_image(rgb))
 
     def _publish_joints(self) -> None:
-        t = time.monotonic() - self._t0
+        with self.lock:
+            state = self.world.state()
         n = len(self.joint_names)
-        positions = [0.5 * np.sin(0.8 * t + 0.4 * j) for j in range(n)]
+        positions = [float(state[j]) if j < len(state) else 0.0 for j in range(n)]
         self._joints.publish(
             JointState(header=_header(), name=self.joint_names, position=positions)
         )
+
+    def _on_action(self, msg: Float64MultiArray) -> None:
+        try:
+            with self.lock:
+                new_episode = self.world.apply(msg.data)
+                text = self.world.instruction
+        except ValueError:
+            self.rejected_actions += 1
+            return
+        if new_episode:
+            self.instruction.publish(String(data=text))
+
+    def start_episode(self) -> None:
+        """Publish the current episode's instruction (once the robot subscribes)."""
+        with self.lock:
+            text = self.world.instruction
+        self.instruct(text)
 
     def say(self, publisher, msg) -> None:
         """One-shot publish once the robot subscribes (a message sent before the
@@ -124,3 +147,4 @@ class SimRobot:
     def close(self) -> None:
         for timer in self._timers:
             self.node.destroy_timer(timer)
+        self.node.destroy_subscription(self._action)

@@ -4,6 +4,7 @@ services are tested in test/ros/robot against one shared robot process."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,11 +40,14 @@ def test_demo_plays_its_episode_and_prints_the_report():
     process = python("-m", "embodied_kv.cli", "demo", "--seconds", "6")
     out, err = process.communicate(timeout=STARTUP_TIMEOUT_S + DEMO_TIMEOUT_S)
     assert process.returncode == 0, out + err
-    assert "5 nodes configured and active (preset=tiny)" in out
+    assert "5 nodes configured and active (preset=world)" in out
     for line in ("Hz (target 50); inter-arrival p50", "jitter p50", "deadline misses",
-                 "tokens/s", "[answer-1]", "[plan-1]", "reset: round trip",
+                 "tokens/s", "[answer-1]", "[plan-1]", "reset: round trip", "task success: ",
+                 "[true: ", "answers right: ", "plans right: ",
                  "robot process exited with status 0"):  # fmt: skip
         assert line in out, out
+    # 6 s of actions at 50 Hz end at least one episode (success or its 200-step limit)
+    assert re.search(r"task success: \d+ of [1-9]\d* episodes", out), out
 
 
 def test_container_rejects_a_missing_config_with_one_line(tmp_path):

@@ -8,19 +8,20 @@ from embodied_kv.ros.engine_params import ENGINE_PARAMS, engine_config
 from embodied_kv.ros.params import default_config_path, load_params
 
 
-def test_shipped_config_is_the_tiny_preset_at_50_hz_and_makes_an_engine_config():
+def test_shipped_config_is_the_world_preset_at_50_hz_and_makes_an_engine_config():
     params = load_params(default_config_path())
     prefill = params.for_node("prefill")
     assert (prefill["preset"], prefill["control_rate_hz"], prefill["autostart"]) == (
-        "tiny",
+        "world",
         50.0,
         True,
     )
-    assert prefill["cameras"] == ["front", "wrist"]
-    assert len(params.for_node("action_expert")["joint_names"]) == 8  # tiny: action_dim
+    assert prefill["weights"] == ""  # the world preset's shipped weights
+    assert prefill["cameras"] == ["top", "front"]  # the world's cameras, in training order
+    assert len(params.for_node("action_expert")["joint_names"]) == 8  # world: action_dim
     defaults = {spec.name: spec.default for spec in ENGINE_PARAMS}
     cfg = engine_config(lambda name: params.for_node("kv_manager").get(name, defaults[name]))
-    assert (cfg.preset, cfg.control_hz, cfg.replan_every, cfg.threads) == ("tiny", 50.0, 5, 1)
+    assert (cfg.preset, cfg.control_hz, cfg.replan_every, cfg.threads) == ("world", 50.0, 5, 1)
     assert cfg.store.disk_dir.endswith("embodied_kv/capsules") and "~" not in cfg.store.disk_dir
     assert cfg.action_mode == "flow" and cfg.ar.kind == "fast" and cfg.ar.max_tokens == 24
 
