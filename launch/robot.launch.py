@@ -23,7 +23,7 @@ def generate_launch_description() -> LaunchDescription:
     preset = DeclareLaunchArgument(
         "preset",
         default_value="",
-        description="model preset (tiny | pi05); empty = the config file's",
+        description="model preset (world | tiny | pi05); empty = the config file's",
     )
     robot = Node(
         package="embodied_kv",

@@ -65,7 +65,7 @@ __all__ = ["EPISODE_START", "Engine", "EngineConfig", "check_client_name"]
 class EngineConfig:
     preset: str = "tiny"
     device: str = "cpu"
-    weights: str = ""  # safetensors file, LeRobot policy dir or openpi dir; "" = random
+    weights: str = ""  # safetensors, LeRobot or openpi dir; "" = the preset's shipped, else random
     tokenizer: str = ""  # pi05: PaliGemma tokenizer path; "" = the checkpoint dir's, if any
     num_slots: int = 8  # arena slots: the frame in flight + live language requests
     max_len: int = 0  # arena rows per slot; 0 = auto: what the preset needs (policy.arena_rows)

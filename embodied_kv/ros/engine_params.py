@@ -27,10 +27,10 @@ class ParamSpec:
 
 
 ENGINE_PARAMS: tuple[ParamSpec, ...] = (
-    ParamSpec("preset", "tiny", "model preset (DESIGN §6): tiny | pi05"),
+    ParamSpec("preset", "tiny", "model preset (DESIGN §6): world | tiny | pi05"),
     ParamSpec("device", "auto", "torch device: auto (cuda when present, else cpu) | cpu | cuda:N"),
     ParamSpec(
-        "weights", "", "safetensors file, LeRobot policy dir or openpi checkpoint dir; '' = random"
+        "weights", "", "safetensors, LeRobot or openpi dir; '' = the preset's shipped, else random"
     ),
     ParamSpec("tokenizer", "", "pi05: PaliGemma tokenizer path; '' = the checkpoint's, else bytes"),
     ParamSpec("control_rate_hz", 50.0, "action output rate (Hz)"),
