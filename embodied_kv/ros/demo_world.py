@@ -32,6 +32,8 @@ SERVICE_TIMEOUT_S = 10.0
 # held-out world seeds: above every training seed (train/loop.py EVAL_SEED_BASE = 2**48)
 # and apart from `eval world`'s items
 DEMO_SEED = 2**48 + 9 * 10**6
+EPISODE_WAIT_S = 2.0  # then ask anyway (an episode may run to its 200-action limit: 4 s)
+SETTLE_S = 0.15  # the new scene's frames and instruction reach the engine first
 
 
 class Listener:
@@ -126,7 +128,10 @@ class DemoWorld:
             report.reset_at = time.monotonic()
 
         def ask():
-            """A question about the scene the cameras show now; its truth at asking."""
+            """A question about the scene of an episode that has just begun (so the frame
+            that answers it shows the same scene); its truth at asking."""
+            if sim.next_episode(EPISODE_WAIT_S):
+                time.sleep(SETTLE_S)
             with sim.lock:
                 qa = questions.sample_question(self.world.scene, self.rng)
             report.questions.append(Asked(qa.question, qa.answer))

@@ -69,6 +69,7 @@ class SimRobot:
         self.image_size = image_size
         self.lock = threading.Lock()
         self.rejected_actions = 0
+        self.episode_began = time.monotonic()
         self._cams = [
             (
                 node.create_publisher(CompressedImage if c else Image, t, qos_profile_sensor_data),
@@ -114,6 +115,21 @@ class SimRobot:
             return
         if new_episode:
             self.instruction.publish(String(data=text))
+            with self.lock:
+                self.episode_began = time.monotonic()
+
+    def next_episode(self, timeout_s: float) -> bool:
+        """Wait until a new episode begins (False after timeout_s): a question asked early
+        in an episode is answered from a frame of the same scene."""
+        with self.lock:
+            began = self.episode_began
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.episode_began != began:
+                    return True
+            time.sleep(0.01)
+        return False
 
     def start_episode(self) -> None:
         """Publish the current episode's instruction (once the robot subscribes)."""
