@@ -56,7 +56,7 @@ def _texts(cfg) -> list[tuple]:
 def _row(a_eps, b_eps, a_txt, b_txt, truth) -> dict:
     pairs = [(x, y) for ea, eb in zip(a_eps, b_eps, strict=True)
              for x, y in zip(ea.chunks, eb.chunks, strict=False)]  # fmt: skip
-    equal = sum(x.shape == y.shape and np.array_equal(x, y) for x, y in pairs)
+    equal = sum(_bytes(x) == _bytes(y) for x, y in pairs)
     n_chunks = sum(max(len(ea.chunks), len(eb.chunks)) for ea, eb in zip(a_eps, b_eps, strict=True))
     same_answers = sum(x == y for x, y in zip(a_txt, b_txt, strict=True))
     row = {
@@ -73,6 +73,10 @@ def _row(a_eps, b_eps, a_txt, b_txt, truth) -> dict:
         ea.success == eb.success for ea, eb in zip(a_eps, b_eps, strict=True)
     )
     return row
+
+
+def _bytes(chunk: np.ndarray) -> tuple:
+    return chunk.dtype.str, chunk.shape, chunk.tobytes()
 
 
 def _mean(xs) -> float:
