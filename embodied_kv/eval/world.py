@@ -87,6 +87,9 @@ def evaluate(model, cfg: EvalConfig) -> dict:
     row |= question_accuracy(runner, cfg)
     row |= memory_accuracy(runner, cfg)
     row["seconds"] = time.perf_counter() - t
+    if engine.action_tokens is not None:  # ar: chunks whose ids did not decode (zeros)
+        counters = engine.action_tokens.counters
+        row["ar_chunks"], row["ar_invalid"] = counters.decoded, counters.invalid
     if cfg.sanity:
         row["sanity"] = sanity.rows(engine, cfg)
     return row
@@ -163,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in result["rows"].items():
         table.append([name, *[row.get(k, float("nan")) for k in keys]])
     print_table(["weights", *keys], table)
+    for name, row in result["rows"].items():
+        if "ar_chunks" in row:
+            print(f"ar {name}: {row['ar_invalid']} of {row['ar_chunks']} action-token chunks "
+                  "invalid (decoded as zeros)")  # fmt: skip
     sanity.print_rows(result["rows"])
     if a.json:
         write_json(result, a.json)

@@ -57,5 +57,6 @@ def test_ar_mode_acts_with_bins_tokens_through_the_pipeline():
     result = run("", "", cfg, oracle=False)
     row = result["rows"]["random"]
     assert result["config"]["action_mode"] == "ar" and row["success"] == 0.0
+    assert row["ar_chunks"] >= cfg.max_cycles and 0 <= row["ar_invalid"] <= row["ar_chunks"]
     assert set(row["sanity"]) == {"unified_vs_separate", "restore_vs_never"}
     assert all(r["exact"] and r["chunks"] == 2 for r in row["sanity"].values()), row["sanity"]
