@@ -1,6 +1,6 @@
 """`embodied-kv`: the command line.
 
-    embodied-kv demo [--seconds N] [--config PATH] [--preset NAME]
+    embodied-kv demo [--seconds N] [--config PATH] [--preset NAME] [--weights PATH]
     embodied-kv bench NAME [ARGS...]     # runs embodied_kv.bench.NAME.main(ARGS)
     embodied-kv gpu-check [ARGS...]      # tests + pi05 benchmarks on CUDA (gpu_check.py)
     embodied-kv train [--steps N] [--minutes M] [--out DIR] [--seed S]
@@ -37,6 +37,8 @@ def run_demo(args: argparse.Namespace) -> int:
         argv += ["--config", args.config]
     if args.preset:
         argv += ["--preset", args.preset]
+    if args.weights:
+        argv += ["--weights", args.weights]
     return demo.main(argv)
 
 
@@ -126,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seconds", type=float, default=DEFAULT_DEMO_SECONDS)
     demo.add_argument("--config", help="ROS 2 parameter file (default: config/robot.yaml)")
     demo.add_argument("--preset", help="model preset; overrides the config file")
+    demo.add_argument("--weights", help="weights file; overrides the config file")
     demo.set_defaults(run=run_demo)
 
     bench = commands.add_parser("bench", help="run embodied_kv.bench.NAME")

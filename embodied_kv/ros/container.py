@@ -51,6 +51,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     )
     parser.add_argument("--config", help="ROS 2 parameter file (default: config/robot.yaml)")
     parser.add_argument("--preset", default="", help="model preset; overrides the config file")
+    parser.add_argument("--weights", default="", help="weights; override the config file")
     parser.add_argument(
         "--autostart",
         action=argparse.BooleanOptionalAction,
@@ -148,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"robot: {e}", file=sys.stderr)
         return 2
-    params = params.with_overrides(preset=args.preset or None)
+    params = params.with_overrides(preset=args.preset or None, weights=args.weights or None)
     autostart = params.common.get("autostart", True) if args.autostart is None else args.autostart
 
     # Our own signal handling instead of rclpy's, which shuts the context down at once:

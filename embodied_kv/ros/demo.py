@@ -36,6 +36,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="run time once active")
     p.add_argument("--config", help="ROS 2 parameter file (default: config/robot.yaml)")
     p.add_argument("--preset", default="", help="model preset; overrides the config file")
+    p.add_argument("--weights", default="", help="weights file; overrides the config file "
+                   "(default there: the preset's shipped weights)")  # fmt: skip
     return p.parse_args(list(argv))
 
 
@@ -47,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     config = Path(args.config) if args.config else default_config_path()
     try:
-        params = load_params(config)
+        params = load_params(config).with_overrides(preset=args.preset or None)
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
@@ -58,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = [sys.executable, "-m", "embodied_kv.ros.container", "--config", str(config)]
     if args.preset:
         command += ["--preset", args.preset]
+    if args.weights:
+        command += ["--weights", str(Path(args.weights).resolve())]
     command += ["--ros-args", "-r", f"__ns:={NAMESPACE}"]
     with open(log_path, "w") as log:
         robot = subprocess.Popen(command, stderr=log)

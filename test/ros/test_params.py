@@ -111,3 +111,16 @@ def test_robot_block_becomes_the_engines_robot_spec():
         engine_config((values | {"robot.delta_mask": "six"}).__getitem__)
     with pytest.raises(ValueError, match=r"parameter robot.state_dim=1.5 must be an integer"):
         engine_config((values | {"robot.state_dim": 1.5}).__getitem__)
+
+
+def test_command_line_weights_override_the_config_for_every_node():
+    from embodied_kv.ros.container import parse_args
+
+    args = parse_args(["--weights", "out/train/weights.safetensors", "--preset", "world"])
+    params = load_params(default_config_path()).with_overrides(
+        preset=args.preset or None, weights=args.weights or None
+    )
+    for node in ("prefill", "action_expert", "kv_manager"):
+        assert params.for_node(node)["weights"] == "out/train/weights.safetensors"
+        assert params.for_node(node)["preset"] == "world"
+    assert load_params(default_config_path()).with_overrides(weights=None).common["weights"] == ""
