@@ -146,4 +146,3 @@ def _ar(engine) -> dict:
         "actions_invalid": flow.counters.invalid,
         "actions_capped": flow.counters.capped,
     }
-
