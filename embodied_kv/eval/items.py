@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embodied_kv.eval.runners import as_runner
 from embodied_kv.kv.manager import TaskKind
 from embodied_kv.train.loop import EVAL_SEED_BASE
 from embodied_kv.world import memory, questions
@@ -73,9 +74,11 @@ def run_episode(runner, cfg: EvalConfig, index: int, start: int = 0, state=None)
 
 
 def closed_loop(runner, cfg: EvalConfig) -> float:
-    """Task success rate over cfg.episodes; runner None runs the scripted expert."""
+    """Task success rate over cfg.episodes; runner (or an Engine) None runs the scripted
+    expert."""
     if cfg.episodes == 0:
         return float("nan")
+    runner = as_runner(runner)
     return float(np.mean([run_episode(runner, cfg, e).success for e in range(cfg.episodes)]))
 
 

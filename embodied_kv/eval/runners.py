@@ -118,3 +118,9 @@ class IsolatedEval:
             for ev in self.runner.cycle(self._obs, 0, 0).events:  # decodes each to its end
                 self._done[ev.request_id] = ev.text.strip()
         return self._done.pop(request_id)
+
+
+def as_runner(x):
+    """An Engine wraps into its EngineRunner (callers that hold an engine: bench vlcache);
+    a runner, or None (the scripted expert), stays as it is."""
+    return EngineRunner(x) if isinstance(x, Engine) else x

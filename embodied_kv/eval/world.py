@@ -22,21 +22,25 @@ from embodied_kv.bench.report import device_name, print_table, write_json
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.loading import shipped_weights
 from embodied_kv.eval import sanity
-from embodied_kv.eval.items import (
+from embodied_kv.eval.items import (  # EvalConfig, closed_loop, episode: also imported from here
     ACTION_MODES,
     EvalConfig,
     answer,
     closed_loop,
+    episode,
     memory_item,
     question_item,
 )
-from embodied_kv.eval.runners import EngineRunner
+from embodied_kv.eval.runners import EngineRunner, as_runner
 from embodied_kv.kv.manager import TaskKind
 from embodied_kv.model.action_tokens import ActionTokenConfig
 from embodied_kv.model.vla import build_model
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, load_trained, world_config
 from embodied_kv.world import memory, questions
+
+__all__ = ["EvalConfig", "closed_loop", "episode", "evaluate", "main", "make_engine",
+           "memory_accuracy", "question_accuracy", "run"]  # fmt: skip
 
 SLOW_HZ = 1e-3  # a control period of minutes: every decode finishes within its cycle
 AR_HORIZON = 10  # `ar`: bins tokens of 10 ticks x 8 dims (the world preset's 256 action ids)
@@ -57,6 +61,8 @@ def make_engine(model, cfg: EvalConfig) -> Engine:
 
 
 def question_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
+    """Accuracy over cfg.questions scene questions; `runner` may be an Engine."""
+    runner = as_runner(runner)
     right = {k: [] for k in questions.KINDS}
     for i in range(cfg.questions):
         scene, task, qa = question_item(cfg, i)
@@ -68,6 +74,8 @@ def question_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
 
 
 def memory_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
+    """One- and two-hop accuracy over cfg.memory queries; `runner` may be an Engine."""
+    runner = as_runner(runner)
     right: dict[int, list[bool]] = {1: [], 2: []}
     for i in range(cfg.memory):
         scene, task, mq = memory_item(cfg, i)

@@ -60,3 +60,13 @@ def test_ar_mode_acts_with_bins_tokens_through_the_pipeline():
     assert row["ar_chunks"] >= cfg.max_cycles and 0 <= row["ar_invalid"] <= row["ar_chunks"]
     assert set(row["sanity"]) == {"unified_vs_separate", "restore_vs_never"}
     assert all(r["exact"] and r["chunks"] == 2 for r in row["sanity"].values()), row["sanity"]
+
+
+def test_accuracies_take_an_engine_as_its_runner():
+    from embodied_kv.eval.runners import EngineRunner
+    from embodied_kv.eval.world import make_engine, question_accuracy, random_model
+    from embodied_kv.train.trained import world_config
+
+    cfg = EvalConfig(episodes=0, questions=3, memory=0)
+    engine = make_engine(random_model(world_config()), cfg)
+    assert question_accuracy(engine, cfg) == question_accuracy(EngineRunner(engine), cfg)
