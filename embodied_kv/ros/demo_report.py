@@ -117,10 +117,11 @@ class Report:
                     why = c.reason if c.reason.startswith(ending) else f"{ending}: {c.reason}"
                     state += f", {why}"
                 truth = ""
-                if i < len(asked) and c.done:
-                    ok = c.text_so_far.strip() == asked[i].truth
+                if i < len(asked):
+                    ok = c.done and c.text_so_far.strip() == asked[i].truth
                     right += ok
-                    truth = f" [true: {asked[i].truth!r}, {'right' if ok else 'wrong'}]"
+                    verdict = ("right" if ok else "wrong") if c.done else "not finished"
+                    truth = f" [true: {asked[i].truth!r}, {verdict}]"
                 out.append(
                     f"  [{c.request_id.split('@')[0]}]{prompt} {_short(c.text_so_far)}{truth} "
                     f"({self.pieces.get(c.request_id, 0)} chunks, {state})"
