@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embodied_kv.kv.arena import KVArena
+from embodied_kv.kv.compress import CompressConfig, Compressor, PrefixLayout, Selection, compact
 from embodied_kv.model.vla import VLA, Prefix, StepInput
 from embodied_kv.timing import synchronize
 
@@ -52,6 +53,8 @@ class FramePrefix:
     logits: torch.Tensor  # [V] after the prefix's last token
     prompt_truncated: bool
     adopted: bool = False  # a request owns the slot now
+    selection: Selection | None = None  # VL-Cache rows to keep (kv/compress.py); None: full
+    compressed: bool = False  # the slot holds only the selection now
 
 
 @dataclass
@@ -88,7 +91,9 @@ class ManagerCounters:
 
 
 class KVCacheManager:
-    def __init__(self, model: VLA, num_slots: int, max_len: int):
+    def __init__(
+        self, model: VLA, num_slots: int, max_len: int, compress: CompressConfig | None = None
+    ):
         if num_slots < 2:
             raise ValueError(
                 f"num_slots={num_slots}: one frame slot plus one request slot at least"
@@ -98,6 +103,9 @@ class KVCacheManager:
         self.requests: dict[str, Request] = {}  # live, in creation order
         self.counters = ManagerCounters()
         self.eos_id = model.tokenizer.eos_id
+        self.compress = compress or CompressConfig()
+        b = model.cfg.backbone
+        self.compressor = Compressor(self.compress, b.layers, model.backbone.scale)
 
     # -- frames ----------------------------------------------------------------------
 
@@ -116,8 +124,20 @@ class KVCacheManager:
             slot = self.arena.allocate()
         self.counters.frames += 1
         self.counters.prompts_truncated += int(prefix.prompt_truncated)
-        logits = self.model.prefill(self.arena, slot, prefix)
-        return FramePrefix(frame, slot, self.arena.slot_len(slot), logits, prefix.prompt_truncated)
+        layout = PrefixLayout(prefix.embeds.shape[0], prefix.n_image)
+        recorder = self.compressor.recorder(slot, layout)  # VL-Cache statistics, or None
+        logits = self.model.prefill(self.arena, slot, prefix, observer=recorder)
+        fp = FramePrefix(frame, slot, layout.n_rows, logits, prefix.prompt_truncated)
+        fp.selection = self.compressor.select(layout, recorder)
+        if fp.selection is not None and self.compress.compress_expert:
+            self._compress(fp)  # before the action expert reads it
+        return fp
+
+    def _compress(self, fp: FramePrefix) -> None:
+        """Compact the frame's slot to its selection (once: later copies copy it so)."""
+        if fp.selection is not None and not fp.compressed:
+            compact(self.arena, fp.slot, fp.selection)
+            fp.compressed = True
 
     def end_frame(self, fp: FramePrefix) -> None:
         """Give the frame's slot back unless a request adopted it."""
@@ -160,6 +180,7 @@ class KVCacheManager:
             self.arena.copy_slot(fp.slot, slot)
         else:
             slot, fp.adopted = fp.slot, True
+            self._compress(fp)  # a language request decodes over the compressed prefix
         req = Request(request_id, kind, fp.frame, slot, max_new_tokens, [])
         req.generator, req.temperature = generator, temperature
         if suffix:
