@@ -221,3 +221,40 @@ def test_expert_on_a_compressed_prefix(model):
     assert small.shape == full.shape and not torch.equal(small, full)
     with pytest.raises(ValueError, match="prefix_len"):
         model.sample_actions(m2.arena, fp2.slot, fp2.prefix_len, noise)  # not flagged
+
+
+def test_kernels_read_each_layers_kept_rows(model):
+    """A decode step over a compressed slot and a full one: per layer, both Triton kernels
+    (interpreter) equal the reference with that layer's kv_len; a compressed layer reads its
+    kept rows only (NaN past them would poison the output if read)."""
+    from embodied_kv.kernels.packed_attention import packed_attention_kernel, packed_attention_ref
+    from embodied_kv.kernels.triton_base import INTERPRETED
+    from embodied_kv.kv.step import Segment, plan_step
+
+    if not INTERPRETED and not torch.cuda.is_available():
+        pytest.skip("no GPU and no Triton interpreter")
+    m, fp = frame(model, CompressConfig(budget=0.1, method="pyramidkv"), seed=7)
+    m.create(fp, "q", TaskKind.ANSWER, 4, [5])
+    arena = m.arena
+    full = arena.allocate()
+    model.prefill(arena, full, model.embed_prefix(synthetic_observation(model.cfg, 8)))
+    plan = plan_step(arena, [Segment(fp.slot, 1), Segment(full, 1)])
+    b = model.cfg.backbone
+    q = torch.randn(plan.n_padded, b.heads, b.head_dim, generator=torch.Generator().manual_seed(0))
+    n = plan.n_real
+    refs = []
+    for layer in range(4):
+        kv_len = plan.kv_len[layer][:n]
+        assert int(kv_len[0]) == int(arena.length[layer, fp.slot]) + 1 < int(kv_len[1])
+        args = (q[:n], arena.k[layer], arena.v[layer], plan.slot[:n], kv_len, model.backbone.scale)
+        refs.append(packed_attention_ref(*args))  # before the scribble: it pads keys to 64
+    for layer in range(4):  # row `length` is where the step writes the token's own K/V
+        arena.k[layer, fp.slot, int(arena.length[layer, fp.slot]) + 1 :] = float("nan")
+        arena.v[layer, fp.slot, int(arena.length[layer, fp.slot]) + 1 :] = float("nan")
+    for layer, ref in enumerate(refs):
+        kv_len = plan.kv_len[layer][:n]
+        args = (q[:n], arena.k[layer], arena.v[layer], plan.slot[:n], kv_len, model.backbone.scale)
+        for decode in (True, False):
+            out = packed_attention_kernel(*args, decode=decode)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
