@@ -107,7 +107,8 @@ def measure(model, prompts: list[Prompt], methods: list[str], budgets: list[floa
         layout = PrefixLayout(p.prefix.embeds.shape[0], p.prefix.n_image)
         ranges = {n: layout.query_rows(n, CompressConfig().window)
                   for n in (POST_VISION, ALL_ROWS, WINDOW)}  # fmt: skip
-        rec = StatsRecorder(layout, master, ranges, layers, scale, CompressConfig().threshold)
+        rec = StatsRecorder(layout, master, ranges, layers, scale, CompressConfig().threshold,
+                            model.cfg.backbone.heads, model.device)  # fmt: skip
         arena.clear(master)
         model.prefill(arena, master, p.prefix, observer=rec)
         stats = rec.stats()

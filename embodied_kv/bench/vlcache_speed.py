@@ -26,8 +26,7 @@ INNER = 5  # calls per timed sample (harness.looped): sub-10 ms work on a shared
 
 def prefix_slots(model, arena, prefix, n: int, budget: float | None) -> list[int]:
     """n slots holding `prefix`, compressed to `budget` by VL-Cache (None: full)."""
-    layers = model.cfg.backbone.layers
-    comp = Compressor(CompressConfig(budget=budget or 1.0), layers, model.backbone.scale)
+    comp = Compressor(CompressConfig(budget=budget or 1.0), model)
     layout = PrefixLayout(prefix.embeds.shape[0], prefix.n_image)
     slots = [arena.allocate() for _ in range(n)]
     rec = comp.recorder(slots[0], layout)
@@ -112,7 +111,7 @@ def prefill_overhead(model, prefix, repeats: int) -> dict:
     n = prefix.embeds.shape[0]
     arena = model.new_arena(1, -(-n // 64) * 64)
     slot = arena.allocate()
-    comp = Compressor(CompressConfig(budget=0.1), model.cfg.backbone.layers, model.backbone.scale)
+    comp = Compressor(CompressConfig(budget=0.1), model)
     layout = PrefixLayout(n, prefix.n_image)
 
     def plain():

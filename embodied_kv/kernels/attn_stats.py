@@ -204,6 +204,37 @@ def plan_attn_stats(
     )
 
 
+def stats_workspace(rows: int, hq: int, keys: int, device, layers: int = 1, kernel=None):
+    """Partials of `layers` calls: col_sum [layers, n_blocks, Hq, m] fp32, below [layers,
+    n_blocks, Hq] int32 (n_blocks = cdiv(τ, BLOCK_M) for the kernel, 1 for the reference;
+    `kernel` None: the kernel on CUDA). Sum over n_blocks (and heads) once after all layers:
+    one reduction per prefill, not per layer."""
+    if kernel is None:
+        kernel = torch.device(device).type == "cuda"
+    blocks = -(-rows // BLOCK_M) if kernel else 1
+    return (
+        torch.empty(layers, blocks, hq, keys, dtype=torch.float32, device=device),
+        torch.empty(layers, blocks, hq, dtype=torch.int32, device=device),
+    )
+
+
+def attn_stats_into(
+    q: torch.Tensor, k: torch.Tensor, scale: float, threshold: float,
+    colsum: torch.Tensor, below: torch.Tensor,
+) -> None:  # fmt: skip
+    """Write one call's partials into a layer's workspace (`stats_workspace(...)[l]`): one
+    kernel launch when the workspace has the kernel's blocks (on CUDA), else the reference
+    into its one partial row."""
+    if colsum.shape[0] == -(-q.shape[0] // BLOCK_M) and (q.is_cuda or INTERPRETED):
+        plan_attn_stats(q, k, scale, threshold, colsum, below).run()
+        return
+    if colsum.shape[0] != 1:
+        raise ValueError(f"workspace of {colsum.shape[0]} partial rows for τ={q.shape[0]}")
+    col, n_below = attn_stats_ref(q, k, scale, threshold)
+    colsum.copy_(col.unsqueeze(0))
+    below.copy_(n_below.unsqueeze(0))
+
+
 def attn_stats_kernel(
     q: torch.Tensor, k: torch.Tensor, scale: float, threshold: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kernels.attn_stats import attn_stats
+from embodied_kv.kernels.attn_stats import attn_stats_into, stats_workspace
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.presses import ALL_ROWS, POST_VISION, WINDOW, Press, budget_weights, get_press
 
@@ -92,31 +92,34 @@ class PrefixStats:
 class StatsRecorder:
     """The observer of one prefill (GemmaBackbone.forward): per layer, the statistics of the
     query ranges in `ranges` over the slot's P prefix rows (the prefill's tokens are the
-    step's rows [0, P), VLA.prefill)."""
+    step's rows [0, P), VLA.prefill). Each layer writes partials into buffers allocated here,
+    once per frame (one kernel launch per layer and range on CUDA); `stats` reduces them."""
 
     def __init__(self, layout: PrefixLayout, slot: int, ranges: dict[str, tuple[int, int]],
-                 layers: int, scale: float, threshold: float):  # fmt: skip
+                 layers: int, scale: float, threshold: float, heads: int, device):  # fmt: skip
         self.layout, self.slot, self.ranges = layout, slot, ranges
         self.scale, self.threshold = scale, threshold
-        self.scores = {name: [None] * layers for name in ranges}
-        self.sparsity: list[torch.Tensor | None] = [None] * layers
+        self.work = {name: stats_workspace(b - a, heads, layout.n_rows, device, layers)
+                     for name, (a, b) in ranges.items()}  # fmt: skip
+        self.seen = [False] * layers
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
-        n = self.layout.n_rows
-        keys = k_cache[self.slot, :n]  # [P, Hkv, D]: the prefix, written by this layer
+        keys = k_cache[self.slot, : self.layout.n_rows]  # [P, Hkv, D]: written by this layer
         for name, (a, b) in self.ranges.items():
-            col, below = attn_stats(q[a:b], keys, self.scale, self.threshold)
-            self.scores[name][layer] = col.sum(0)  # [P]
-            if name == POST_VISION:
-                self.sparsity[layer] = (below.double() / ((b - a) * n)).mean()
+            colsum, below = self.work[name]
+            attn_stats_into(q[a:b], keys, self.scale, self.threshold, colsum[layer], below[layer])
+        self.seen[layer] = True
 
     def stats(self) -> PrefixStats:
-        if any(s is None for v in self.scores.values() for s in v):
+        if not all(self.seen):
             raise RuntimeError("the prefill did not run every layer through the recorder")
+        scores = {name: w[0].sum((1, 2)) for name, w in self.work.items()}  # [L, P]
         sparsity = None
         if POST_VISION in self.ranges:
-            sparsity = torch.stack([s.cpu() for s in self.sparsity])
-        return PrefixStats({k: torch.stack(v) for k, v in self.scores.items()}, sparsity)
+            a, b = self.ranges[POST_VISION]
+            below = self.work[POST_VISION][1].sum(1, dtype=torch.int64)  # [L, Hq]
+            sparsity = (below.double() / ((b - a) * self.layout.n_rows)).mean(1).cpu()
+        return PrefixStats(scores, sparsity)
 
 
 @dataclass(frozen=True)
@@ -228,8 +231,10 @@ class Compressor:
     """What the KV manager holds: records a frame's statistics during its prefill, selects
     once per frame, compacts the slot a language request decodes in."""
 
-    def __init__(self, cfg: CompressConfig, layers: int, scale: float):
-        self.cfg, self.press, self.layers, self.scale = cfg, cfg.press, layers, scale
+    def __init__(self, cfg: CompressConfig, model):
+        b = model.cfg.backbone
+        self.cfg, self.press, self.layers, self.heads = cfg, cfg.press, b.layers, b.heads
+        self.scale, self.device = model.backbone.scale, model.device
 
     def ranges(self, layout: PrefixLayout) -> dict[str, tuple[int, int]]:
         """Query rows the press reads, plus the post-vision rows when it needs sparsity."""
@@ -244,7 +249,7 @@ class Compressor:
         if not self.cfg.enabled or layout.n_image == 0 or not ranges:
             return None
         return StatsRecorder(layout, slot, ranges, self.layers, self.scale,
-                             self.cfg.threshold)  # fmt: skip
+                             self.cfg.threshold, self.heads, self.device)  # fmt: skip
 
     def select(self, layout: PrefixLayout, recorder: StatsRecorder | None) -> Selection | None:
         if not self.cfg.enabled or layout.n_image == 0:

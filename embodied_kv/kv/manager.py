@@ -104,8 +104,7 @@ class KVCacheManager:
         self.counters = ManagerCounters()
         self.eos_id = model.tokenizer.eos_id
         self.compress = compress or CompressConfig()
-        b = model.cfg.backbone
-        self.compressor = Compressor(self.compress, b.layers, model.backbone.scale)
+        self.compressor = Compressor(self.compress, model)
 
     # -- frames ----------------------------------------------------------------------
 

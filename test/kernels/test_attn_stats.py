@@ -76,3 +76,20 @@ def test_bad_inputs_are_refused():
         attn_stats_ref(q[:, :3], k, scale, THRESHOLD)
     with pytest.raises(ValueError, match="m=0"):
         attn_stats_ref(q, k[:0], scale, THRESHOLD)
+
+
+@pytest.mark.parametrize("kernel_path", [False, True])
+def test_workspace_path_reduces_to_the_reference(kernel, kernel_path):
+    """What the prefill's recorder does (kv/compress.py): per layer, partials into a slice of
+    one workspace (the kernel's blocks, or the reference's one row), reduced once."""
+    from embodied_kv.kernels.attn_stats import attn_stats_into, stats_workspace
+
+    layers = [inputs(37, 90, (4, 1, 32), seed=s) for s in range(3)]
+    colsum, below = stats_workspace(37, 4, 90, DEVICE, len(layers), kernel=kernel_path)
+    assert colsum.shape[1] == (3 if kernel_path else 1)
+    for i, (q, k, scale) in enumerate(layers):
+        attn_stats_into(q, k, scale, THRESHOLD, colsum[i], below[i])
+    for i, (q, k, scale) in enumerate(layers):
+        ref_col, ref_below = attn_stats_ref(q, k, scale, THRESHOLD)
+        torch.testing.assert_close(colsum[i].sum(0), ref_col, atol=FP32_TOL, rtol=FP32_TOL)
+        assert torch.equal(below[i].sum(0, dtype=torch.int64), ref_below)
