@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
           r["kv_bytes_full"] / 1024, r["decode_step_ms"], r["decode_step_full_ms"],
           r["decode_speedup"], r["attention_speedup"]] for r in speed["rows"]],
     )  # fmt: skip
-    print(f"\nfidelity vs the full cache ({'trained ' + args.weights if trained else 'random '}"
-          f"world, {len(prompts)} scenes, prefix {prompts[0].prefix.embeds.shape[0]} rows)")
+    which = f"trained weights {args.weights}" if trained else "random weights, long world"
+    print(f"\nfidelity vs the full cache ({which}, {len(prompts)} scenes, prefix "
+          f"{prompts[0].prefix.embeds.shape[0]} rows)")
     print_table(
         ["method@budget", "top1", "greedy32 exact", "greedy32 prefix", "hit rate", "QA"],
         [[k, r["top1"], r["greedy32_exact"], r["greedy32_prefix"], r["hit_rate"],
