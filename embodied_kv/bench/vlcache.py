@@ -139,18 +139,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{speed['image_rows']} image, batch {args.batch}): statistics add "
           f"{pre['overhead'] * 100:+.1f}% to a {pre['prefill_ms']:.1f} ms prefill")  # fmt: skip
     print_table(
-        ["budget", "rows/layer", "KV KiB", "full KiB", "step ms", "full ms", "step x", "attn x"],
+        ["budget", "rows/layer", "KV KiB", "full KiB", "step ms", "full ms", "step x", "attn x",
+         "expert x"],
         [[r["budget"], "/".join(map(str, r["rows_per_layer"])), r["kv_bytes"] / 1024,
           r["kv_bytes_full"] / 1024, r["decode_step_ms"], r["decode_step_full_ms"],
-          r["decode_speedup"], r["attention_speedup"]] for r in speed["rows"]],
+          r["decode_speedup"], r["attention_speedup"], r["expert_speedup"]]
+         for r in speed["rows"]],
     )  # fmt: skip
     which = f"trained weights {args.weights}" if trained else "random weights, long world"
     print(f"\nfidelity vs the full cache ({which}, {len(prompts)} scenes, prefix "
           f"{prompts[0].prefix.embeds.shape[0]} rows)")
     print_table(
-        ["method@budget", "top1", "greedy32 exact", "greedy32 prefix", "hit rate", "QA"],
+        ["method@budget", "top1", "greedy32 exact", "greedy32 prefix", "hit rate",
+         "chunk err", "QA"],
         [[k, r["top1"], r["greedy32_exact"], r["greedy32_prefix"], r["hit_rate"],
-          qa.get(k, float("nan"))] for k, r in fidelity.items()],
+          r["chunk_err"], qa.get(k, float("nan"))] for k, r in fidelity.items()],
     )  # fmt: skip
     result = {
         "benchmark": "vlcache", "preset": args.preset, "quick": args.quick,

@@ -10,6 +10,9 @@ compacted to that method's selection. Reported per (method, budget):
     hit_rate    CacheHitRate (VL-Cache §5): per layer, the overlap of the method's kept image
                 rows with the top-k image rows of the first decode token's attention over the
                 full cache (k = the rows that layer keeps), averaged over layers
+    chunk_err   the action expert reading the compressed prefix (`compress_expert`): its
+                chunk's L2 distance from the full prefix's chunk, relative to the latter's
+                norm (the default keeps the expert on the full prefix: error 0)
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ def measure(model, prompts: list[Prompt], methods: list[str], budgets: list[floa
         arena.clear(master)
         model.prefill(arena, master, p.prefix, observer=rec)
         stats = rec.stats()
+        noise = model.make_noise(0)
+        chunk = model.sample_actions(arena, master, layout.n_rows, noise).float()
         arena.copy_slot(master, full_slot)
         first = FirstDecodeAttention(full_slot, layout.n_image, layers, scale)
         ref = greedy(model, arena, full_slot, p.question, first)
@@ -122,22 +127,27 @@ def measure(model, prompts: list[Prompt], methods: list[str], budgets: list[floa
                 sel = select(get_press(method), cfg, layout, stats, layers)
                 arena.copy_slot(master, work)
                 compact(arena, work, sel)
+                small = model.sample_actions(arena, work, layout.n_rows, noise, compressed=True)
+                err = float((small.float() - chunk).norm() / chunk.norm())
                 got = greedy(model, arena, work, p.question)
                 arena.clear(work)
                 common = next((i for i, (a, b) in enumerate(zip(got, ref, strict=True))
                                if a != b), GREEDY_TOKENS)  # fmt: skip
                 r = rows.setdefault(f"{method}@{budget:g}", {"top1": [], "exact": [],
-                                                              "prefix": [], "hit": []})  # fmt: skip
+                                                              "prefix": [], "hit": [],
+                                                              "chunk": []})  # fmt: skip
                 r["top1"].append(got[0] == ref[0])
                 r["exact"].append(got == ref)
                 r["prefix"].append(common / GREEDY_TOKENS)
                 r["hit"].append(hit_rate(sel.keep, first.scores, layout.n_image))
+                r["chunk"].append(err)
     return {
         key: {
             "top1": float(np.mean(r["top1"])),
             "greedy32_exact": float(np.mean(r["exact"])),
             "greedy32_prefix": float(np.mean(r["prefix"])),
             "hit_rate": float(np.mean(r["hit"])),
+            "chunk_err": float(np.mean(r["chunk"])),
             "n": len(r["top1"]),
         }
         for key, r in rows.items()

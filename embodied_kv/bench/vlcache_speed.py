@@ -6,6 +6,7 @@
                      directly; the rest of a step (weights, LM head) does not change with the
                      KV, so the step's ratio is smaller wherever weights dominate
     prefill          a frame's prefill with VL-Cache's statistics recorded vs without
+    expert           the action chunk over a compressed prefix (`compress_expert`) vs the full
     KV bytes         rows kept over all layers x bytes per row
 
 A timed decode step appends a row to each slot: after every call the slots are rewound
@@ -67,6 +68,11 @@ def attention_call(model, arena, slots: list[int]):
     return run
 
 
+def expert_call(model, arena, slot: int, prefix_len: int, compressed: bool):
+    noise = model.make_noise(0)
+    return lambda: model.sample_actions(arena, slot, prefix_len, noise, compressed)
+
+
 def kv_bytes(arena, slots: list[int]) -> int:
     spec = arena.spec
     per_row = 2 * spec.kv_heads * spec.head_dim * arena.k.element_size()
@@ -81,12 +87,14 @@ def measure(model, prefix, budgets: list[float], batch: int, repeats: int) -> di
     arena = model.new_arena(batch * (1 + len(budgets)) + 1, -(-(n + 8) // 64) * 64)
     full = prefix_slots(model, arena, prefix, batch, None)
     fns = {"full/step": decode_call(model, arena, full),
-           "full/attn": attention_call(model, arena, full)}  # fmt: skip
+           "full/attn": attention_call(model, arena, full),
+           "full/expert": expert_call(model, arena, full[0], n, False)}  # fmt: skip
     kept = {}
     for b in budgets:
         slots = prefix_slots(model, arena, prefix, batch, b)
         fns[f"{b:g}/step"] = decode_call(model, arena, slots)
         fns[f"{b:g}/attn"] = attention_call(model, arena, slots)
+        fns[f"{b:g}/expert"] = expert_call(model, arena, slots[0], n, True)
         kept[b] = (kv_bytes(arena, slots[:1]), arena.length[:, slots[0]].tolist())
     times = harness.interleave({k: harness.looped(f, INNER) for k, f in fns.items()}, dev,
                                warmup=1, repeats=repeats)  # fmt: skip
@@ -101,6 +109,7 @@ def measure(model, prefix, budgets: list[float], batch: int, repeats: int) -> di
             "decode_step_full_ms": harness.Stats.of(times["full/step"]).median / INNER,
             "decode_speedup": harness.ratio(times["full/step"], times[f"{b:g}/step"]),
             "attention_speedup": harness.ratio(times["full/attn"], times[f"{b:g}/attn"]),
+            "expert_speedup": harness.ratio(times["full/expert"], times[f"{b:g}/expert"]),
         })  # fmt: skip
     return {"batch": batch, "prefix_rows": n, "image_rows": prefix.n_image, "rows": rows,
             "prefill": prefill_overhead(model, prefix, repeats)}  # fmt: skip

@@ -20,14 +20,16 @@ def test_quick_run_reports_every_row(tmp_path, capsys):
     r = json.loads(out.read_text())
     (row,) = r["speed"]["rows"]
     assert row["budget"] == 0.1 and 0 < row["kv_bytes"] < row["kv_bytes_full"]
-    assert row["decode_speedup"] > 0 and row["attention_speedup"] > 0
+    assert row["decode_speedup"] > 0 and row["attention_speedup"] > 0 and row["expert_speedup"] > 0
     assert r["speed"]["prefill"]["prefill_ms"] > 0 and "overhead" in r["speed"]["prefill"]
     want = {"full@1"} | {f"{m}@{b}" for m in METHODS if m != "full" for b in ("0.05", "0.1")}
     assert set(r["fidelity"]) == want and set(r["qa"]) == want
     full = r["fidelity"]["full@1"]
     assert full["top1"] == full["greedy32_exact"] == full["hit_rate"] == 1.0
+    assert full["chunk_err"] == 0.0  # every row kept: the full prefix's chunk, bytes
     for k, f in r["fidelity"].items():
         assert 0 <= f["hit_rate"] <= 1 and 0 <= f["greedy32_prefix"] <= 1, k
+        assert f["chunk_err"] > 0 or k == "full@1", k
     assert all(0 <= v <= 1 for v in r["qa"].values())
     assert r["verdict"]["line"].startswith("VERDICT") and isinstance(r["verdict"]["pass"], bool)
     assert r["verdict"]["line"] in capsys.readouterr().out
