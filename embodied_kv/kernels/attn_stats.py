@@ -62,12 +62,14 @@ def attn_stats_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [τ, Hq, D], k [m, Hkv, D] -> (col_sum [Hq, m] fp32, below [Hq] int64), in fp32."""
     check_stats_inputs(q, k, threshold)
-    hq, hkv = q.shape[1], k.shape[1]
-    kk = k.float().repeat_interleave(hq // hkv, dim=1)  # [m, Hq, D]
-    s = torch.einsum("rhd,mhd->hrm", q.float(), kk) * scale  # [Hq, τ, m]
+    rows, hq, d = q.shape
+    m, hkv = k.shape[0], k.shape[1]
+    # the query heads of a KV head as one [g * τ, D] GEMM against that head's keys, no copy of K
+    qg = q.float().reshape(rows, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
+    s = torch.bmm(qg, k.float().permute(1, 2, 0)).view(hq, rows, m) * scale  # [Hq, τ, m]
     rel = torch.exp(s - s.amax(-1, keepdim=True))  # p / rowmax
-    probs = rel / rel.sum(-1, keepdim=True)
-    return probs.sum(1), (rel < threshold).sum((1, 2))
+    inv = 1.0 / rel.sum(-1, keepdim=True)
+    return (rel * inv).sum(1), (rel < threshold).sum((1, 2))
 
 
 if triton is not None:
