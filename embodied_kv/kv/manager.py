@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from embodied_kv.kv.arena import KVArena
-from embodied_kv.kv.compress import CompressConfig, Compressor, PrefixLayout, Selection, compact
+from embodied_kv.kv.compress import (
+    CompressConfig,
+    Compressor,
+    PrefixLayout,
+    Selection,
+    StatsRecorder,
+    compact,
+)
 from embodied_kv.model.vla import VLA, Prefix, StepInput
 from embodied_kv.timing import synchronize
 
@@ -53,7 +60,10 @@ class FramePrefix:
     logits: torch.Tensor  # [V] after the prefix's last token
     prompt_truncated: bool
     adopted: bool = False  # a request owns the slot now
-    selection: Selection | None = None  # VL-Cache rows to keep (kv/compress.py); None: full
+    # VL-Cache (kv/compress.py): the prefill's statistics until the rows to keep are chosen
+    # (KVCacheManager.selection: after the action expert, so no host sync delays it)
+    pending: tuple[PrefixLayout, StatsRecorder | None] | None = None
+    selection: Selection | None = None  # rows to keep, once chosen
     compressed: bool = False  # the slot holds only the selection now
 
 
@@ -127,14 +137,23 @@ class KVCacheManager:
         recorder = self.compressor.recorder(slot, layout)  # VL-Cache statistics, or None
         logits = self.model.prefill(self.arena, slot, prefix, observer=recorder)
         fp = FramePrefix(frame, slot, layout.n_rows, logits, prefix.prompt_truncated)
-        fp.selection = self.compressor.select(layout, recorder)
-        if fp.selection is not None and self.compress.compress_expert:
-            self._compress(fp)  # before the action expert reads it
+        if self.compress.enabled and layout.n_image:
+            fp.pending = (layout, recorder)
+            if self.compress.compress_expert:
+                self._compress(fp)  # before the action expert reads it
         return fp
+
+    def selection(self, fp: FramePrefix) -> Selection | None:
+        """The rows the frame's language requests keep (None: the full prefix); chosen on
+        first use from the prefill's statistics (budgets and top-k read them on the host)."""
+        if fp.pending is not None:
+            fp.selection = self.compressor.select(*fp.pending)
+            fp.pending = None
+        return fp.selection
 
     def _compress(self, fp: FramePrefix) -> None:
         """Compact the frame's slot to its selection (once: later copies copy it so)."""
-        if fp.selection is not None and not fp.compressed:
+        if self.selection(fp) is not None and not fp.compressed:
             compact(self.arena, fp.slot, fp.selection)
             fp.compressed = True
 

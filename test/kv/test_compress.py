@@ -97,7 +97,8 @@ def test_bad_configs_are_refused():
 @pytest.mark.parametrize("method", ["vlcache", "streaming", "snapkv", "vlcache_accum"])
 def test_compaction_keeps_exactly_the_selected_rows(model, method):
     m, fp = frame(model, CompressConfig(budget=0.2, method=method))
-    sel, arena, s = fp.selection, m.arena, fp.slot
+    assert fp.selection is None and fp.pending is not None  # chosen after the expert
+    sel, arena, s = m.selection(fp), m.arena, fp.slot
     layout = sel.layout
     assert layout.n_image == 32 and not fp.compressed
     before_k, before_v = arena.k[:, s].clone(), arena.v[:, s].clone()
@@ -145,7 +146,7 @@ def test_decode_after_compression_equals_a_cache_of_only_those_rows(model):
     """Bytes: the compacted slot decodes exactly like a slot whose rows were written from the
     selected rows alone (same per-layer lengths, same positions)."""
     m, fp = frame(model, CompressConfig(budget=0.1, method="pyramidkv"), seed=2)
-    arena, sel = m.arena, fp.selection
+    arena, sel = m.arena, m.selection(fp)
     full_k, full_v = arena.k[:, fp.slot].clone(), arena.v[:, fp.slot].clone()
     m.create(fp, "q", TaskKind.ANSWER, 4, [5])
     built = arena.allocate()
@@ -169,7 +170,7 @@ def test_budget_one_is_byte_identical_to_no_compression(model):
     outs = []
     for cfg in (None, CompressConfig(budget=1.0), CompressConfig(budget=0.3, method="full")):
         m, fp = frame(model, cfg, seed=3)
-        assert fp.selection is None
+        assert fp.pending is None and m.selection(fp) is None
         req = m.create(fp, "q", TaskKind.ANSWER, 4, [7, 8, 9])
         ids, raw = greedy(model, m.arena, req.slot, torch.tensor([1, 2]), 6)
         n = m.arena.slot_len(req.slot)
@@ -181,7 +182,7 @@ def test_budget_one_is_byte_identical_to_no_compression(model):
 
 def test_keeping_every_row_is_the_identity(model):
     m, fp = frame(model, CompressConfig(budget=0.5), seed=4)
-    layout = fp.selection.layout
+    layout = m.selection(fp).layout
     every = Selection(layout, tuple(torch.arange(layout.n_rows) for _ in range(4)))
     k, v = m.arena.k.clone(), m.arena.v.clone()
     compact(m.arena, fp.slot, every)
@@ -192,12 +193,13 @@ def test_keeping_every_row_is_the_identity(model):
 def test_a_bad_compaction_changes_nothing(model):
     m, fp = frame(model, CompressConfig(budget=0.2), seed=5)
     arena, s = m.arena, fp.slot
+    sel = m.selection(fp)
     model.append(arena, s, torch.tensor([3, 4]))  # the slot no longer holds just the prefix
     state = (arena.k.clone(), arena.v.clone(), arena.length.clone(), arena.next_pos.clone())
     with pytest.raises(ValueError, match="not exactly"):
-        compact(arena, s, fp.selection)
+        compact(arena, s, sel)
     arena.truncate(s, fp.prefix_len)
-    bad = Selection(fp.selection.layout, (torch.tensor([0, 999]),) * 4)
+    bad = Selection(sel.layout, (torch.tensor([0, 999]),) * 4)
     with pytest.raises(ValueError, match="outside"):
         compact(arena, s, bad)
     assert torch.equal(arena.k, state[0]) and torch.equal(arena.v, state[1])
@@ -210,7 +212,7 @@ def test_expert_on_a_compressed_prefix(model):
     m, fp = frame(model, CompressConfig(budget=0.1), seed=6)
     noise = model.make_noise(0)
     full = model.sample_actions(m.arena, fp.slot, fp.prefix_len, noise)
-    layout = fp.selection.layout
+    layout = m.selection(fp).layout
     compact(m.arena, fp.slot, Selection(layout, tuple(torch.arange(layout.n_rows)
                                                       for _ in range(4))))  # fmt: skip
     same = model.sample_actions(m.arena, fp.slot, fp.prefix_len, noise, compressed=True)
