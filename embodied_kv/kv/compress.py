@@ -152,7 +152,7 @@ def fill_budgets(weights: torch.Tensor, budget: float, lo: float = MIN_BUDGET) -
     b = (w / w.sum() * total).clamp(lo, 1.0)
     for _ in range(layers):
         gap = total - float(b.sum())
-        free = (b > lo) & (b < 1.0) if gap < 0 else b < 1.0
+        free = b > lo if gap < 0 else b < 1.0  # layers that can give / take
         if abs(gap) < 1e-12 or not free.any():
             break
         wf = w[free] if w[free].sum() > 0 else torch.ones_like(w[free])
@@ -163,19 +163,23 @@ def fill_budgets(weights: torch.Tensor, budget: float, lo: float = MIN_BUDGET) -
 
 def round_rows(fractions: torch.Tensor, n_image: int, total: int) -> list[int]:
     """Rows per layer from fractions of n_image: largest remainders, summing to `total`,
-    each in [1, n_image]."""
+    each in [1, n_image] (one row per layer and pass, largest remainder first)."""
     want = fractions.double() * n_image
-    rows = want.floor().clamp(1, n_image).long()
+    rows = want.floor().clamp(1, n_image).long().tolist()
     order = torch.sort(want - want.floor(), descending=True, stable=True).indices.tolist()
-    while int(rows.sum()) != total:
-        up = int(rows.sum()) < total
-        for i in order if up else order[::-1]:
-            if (up and rows[i] < n_image) or (not up and rows[i] > 1):
-                rows[i] += 1 if up else -1
+    gap = total - sum(rows)
+    while gap:
+        moved = False
+        for i in order if gap > 0 else order[::-1]:
+            if gap > 0 and rows[i] < n_image:
+                rows[i], gap, moved = rows[i] + 1, gap - 1, True
+            elif gap < 0 and rows[i] > 1:
+                rows[i], gap, moved = rows[i] - 1, gap + 1, True
+            if not gap:
                 break
-        else:
+        if not moved:
             raise AssertionError(f"cannot spread {total} rows over {fractions.tolist()}")
-    return rows.tolist()
+    return rows
 
 
 def allocate(press: Press, cfg: CompressConfig, stats: PrefixStats | None,

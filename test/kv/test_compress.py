@@ -80,6 +80,9 @@ def test_rows_sum_to_the_same_total_for_every_method():
     pyramid = allocate(get_press("pyramidkv"), CompressConfig(budget=0.2), None, 4, 128)
     assert pyramid == sorted(pyramid, reverse=True) and pyramid[0] > pyramid[-1]
     assert round_rows(torch.tensor([0.5, 0.5]), 3, 3) in ([2, 1], [1, 2])
+    # remainders go one per layer, largest first, not all to one layer
+    assert round_rows(torch.tensor([0.3, 0.3, 0.3, 0.3]), 10, 16) == [4, 4, 4, 4]
+    assert round_rows(torch.tensor([0.34, 0.32, 0.3, 0.3]), 10, 14) == [4, 4, 3, 3]
 
 
 def test_bad_configs_are_refused():
