@@ -47,6 +47,7 @@ from embodied_kv.kv.capsule import (
     stage,
 )
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
+from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.kv.manager import KVCacheManager, Status, TaskKind
 from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.action_tokens import (
@@ -89,6 +90,7 @@ class EngineConfig:
     action_mode: str = "flow"  # flow: the action expert | ar: action tokens (ActionFlow)
     ar: ActionTokenConfig = field(default_factory=ActionTokenConfig)  # the `ar` tokens
     ar_unified: bool = True  # ar: language decodes join the pipeline's packed step
+    compress: CompressConfig = field(default_factory=CompressConfig)  # VL-Cache (language.kv_*)
 
     def __post_init__(self):
         if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:
@@ -148,7 +150,7 @@ class Engine:
         )
         rows = arena_rows(cfg.max_len, c, loop_cfg)  # a bad max_len fails before any weights
         self.model = model or load_model(cfg, self.source)
-        self.manager = KVCacheManager(self.model, cfg.num_slots, rows)
+        self.manager = KVCacheManager(self.model, cfg.num_slots, rows, cfg.compress)
         self.action_tokens = None
         if cfg.action_mode == "ar":  # the model's vocabulary holds the action ids
             tok = make_action_tokenizer(cfg.ar, self.model.cfg, self.model.tokenizer)

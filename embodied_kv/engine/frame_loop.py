@@ -95,7 +95,9 @@ class FrameLoop:
         try:
             # (b) the action expert reads the same slot: the hard deadline
             noise = self.model.make_noise(cfg.seed + frame)
-            chunk = self.model.sample_actions(manager.arena, fp.slot, fp.prefix_len, noise)
+            chunk = self.model.sample_actions(
+                manager.arena, fp.slot, fp.prefix_len, noise, fp.compressed
+            )
             chunk = self.robot.actions_out(chunk.float().cpu().numpy(), obs.robot_state)
             self.queue.push(chunk, tick)
             t_action = self.clock()
@@ -170,7 +172,8 @@ class FrameLoop:
         estimate before the first real deadline); leaves no request and no counts."""
         m = self.manager
         fp = m.prefill_frame(-1, self.model.embed_prefix(obs))
-        self.model.sample_actions(m.arena, fp.slot, fp.prefix_len, self.model.make_noise(0))
+        noise = self.model.make_noise(0)
+        self.model.sample_actions(m.arena, fp.slot, fp.prefix_len, noise, fp.compressed)
         req = m.create(fp, "__warmup__", TaskKind.NARRATION, max_new_tokens=4)
         for _ in range(3):
             if req.done:

@@ -28,6 +28,7 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
     expert_attention block_m=8 (64 rows), block_n=16         4      2  209      0  64 KiB  wgmma
     gelu_gate       F=16384 / F=4096, 1024 per program        4      1   31      0   0 KiB  -
+    attn_stats      block_m=16, block_n=64 (VL-Cache)         4      2   88      0  40 KiB  mma.sync
 
 The split-K tile has 16 rows (8 heads padded), below wgmma's 64: decode is memory-bound and
 the tile reads each K/V row once for all heads. Alternatives measured for the prefill tile
@@ -47,6 +48,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from embodied_kv.kernels.attn_stats import BLOCK_M as STATS_BLOCK_M
+from embodied_kv.kernels.attn_stats import plan_attn_stats
 from embodied_kv.kernels.expert_attention import plan_expert_attention
 from embodied_kv.kernels.gelu_gate import plan_gelu_gate
 from embodied_kv.kernels.packed_attention import plan_kernel
@@ -190,6 +193,13 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     bias = torch.empty(1024 + 50, device="meta")
     att = plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q)
     launches.setdefault(att.name, att)
+    # VL-Cache's statistics: the prompt text's rows (here 64) over a 3-camera prefix (1024 rows)
+    q = torch.empty(64, hq, d, dtype=torch.bfloat16, device="meta")
+    blocks = -(-64 // STATS_BLOCK_M)
+    colsum = torch.empty(blocks, hq, 1024, device="meta")
+    below = torch.empty(blocks, hq, dtype=torch.int32, device="meta")
+    stats = plan_attn_stats(q, kv, d**-0.5, 0.01, colsum, below)
+    launches.setdefault(stats.name, stats)
     # the gated MLP activation of the backbone (16384) and of the expert (4096)
     for feat in (16_384, 4096):
         x = torch.empty(n_tok, feat, dtype=torch.bfloat16, device="meta")

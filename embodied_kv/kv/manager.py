@@ -24,6 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from embodied_kv.kv.arena import KVArena
+from embodied_kv.kv.compress import (
+    CompressConfig,
+    Compressor,
+    PrefixLayout,
+    Selection,
+    StatsRecorder,
+    compact,
+)
 from embodied_kv.model.vla import VLA, Prefix, StepInput
 from embodied_kv.timing import synchronize
 
@@ -52,6 +60,11 @@ class FramePrefix:
     logits: torch.Tensor  # [V] after the prefix's last token
     prompt_truncated: bool
     adopted: bool = False  # a request owns the slot now
+    # VL-Cache (kv/compress.py): the prefill's statistics until the rows to keep are chosen
+    # (KVCacheManager.selection: after the action expert, so no host sync delays it)
+    pending: tuple[PrefixLayout, StatsRecorder | None] | None = None
+    selection: Selection | None = None  # rows to keep, once chosen
+    compressed: bool = False  # the slot holds only the selection now
 
 
 @dataclass
@@ -88,7 +101,9 @@ class ManagerCounters:
 
 
 class KVCacheManager:
-    def __init__(self, model: VLA, num_slots: int, max_len: int):
+    def __init__(
+        self, model: VLA, num_slots: int, max_len: int, compress: CompressConfig | None = None
+    ):
         if num_slots < 2:
             raise ValueError(
                 f"num_slots={num_slots}: one frame slot plus one request slot at least"
@@ -98,6 +113,8 @@ class KVCacheManager:
         self.requests: dict[str, Request] = {}  # live, in creation order
         self.counters = ManagerCounters()
         self.eos_id = model.tokenizer.eos_id
+        self.compress = compress or CompressConfig()
+        self.compressor = Compressor(self.compress, model)
 
     # -- frames ----------------------------------------------------------------------
 
@@ -116,8 +133,29 @@ class KVCacheManager:
             slot = self.arena.allocate()
         self.counters.frames += 1
         self.counters.prompts_truncated += int(prefix.prompt_truncated)
-        logits = self.model.prefill(self.arena, slot, prefix)
-        return FramePrefix(frame, slot, self.arena.slot_len(slot), logits, prefix.prompt_truncated)
+        layout = PrefixLayout(prefix.embeds.shape[0], prefix.n_image)
+        recorder = self.compressor.recorder(slot, layout)  # VL-Cache statistics, or None
+        logits = self.model.prefill(self.arena, slot, prefix, observer=recorder)
+        fp = FramePrefix(frame, slot, layout.n_rows, logits, prefix.prompt_truncated)
+        if self.compress.enabled and layout.n_image:
+            fp.pending = (layout, recorder)
+            if self.compress.compress_expert:
+                self._compress(fp)  # before the action expert reads it
+        return fp
+
+    def selection(self, fp: FramePrefix) -> Selection | None:
+        """The rows the frame's language requests keep (None: the full prefix); chosen on
+        first use from the prefill's statistics (budgets and top-k read them on the host)."""
+        if fp.pending is not None:
+            fp.selection = self.compressor.select(*fp.pending)
+            fp.pending = None
+        return fp.selection
+
+    def _compress(self, fp: FramePrefix) -> None:
+        """Compact the frame's slot to its selection (once: later copies copy it so)."""
+        if self.selection(fp) is not None and not fp.compressed:
+            compact(self.arena, fp.slot, fp.selection)
+            fp.compressed = True
 
     def end_frame(self, fp: FramePrefix) -> None:
         """Give the frame's slot back unless a request adopted it."""
@@ -160,6 +198,7 @@ class KVCacheManager:
             self.arena.copy_slot(fp.slot, slot)
         else:
             slot, fp.adopted = fp.slot, True
+            self._compress(fp)  # a language request decodes over the compressed prefix
         req = Request(request_id, kind, fp.frame, slot, max_new_tokens, [])
         req.generator, req.temperature = generator, temperature
         if suffix:

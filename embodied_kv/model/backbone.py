@@ -36,10 +36,14 @@ class GemmaBackbone(nn.Module):
         e = self.embed_tokens(ids)
         return e * torch.tensor(math.sqrt(self.cfg.width), dtype=e.dtype)
 
-    def forward(self, x: torch.Tensor, step: PackedStep, arena: KVArena) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, step: PackedStep, arena: KVArena, observer=None
+    ) -> torch.Tensor:
         """x [Np, W] embeddings laid out as `step` says -> final-normed hidden [Np, W].
 
-        Writes every token's K/V into its arena row; reads what kv_len allows."""
+        Writes every token's K/V into its arena row; reads what kv_len allows.
+        `observer(layer, q [Np, Hq, D] after RoPE, k_cache [S, T, Hkv, D])` is called once
+        per layer after the layer's K/V are written (VL-Cache's statistics, kv/compress.py)."""
         assert x.shape[0] == step.n_padded
         cos_sin = self.rope.at(step.position)
         for i, layer in enumerate(self.layers):
@@ -49,6 +53,8 @@ class GemmaBackbone(nn.Module):
             k_cache, v_cache = arena.k[i], arena.v[i]
             k_cache[step.slot, step.row[i]] = k.to(k_cache.dtype)
             v_cache[step.slot, step.row[i]] = v.to(v_cache.dtype)
+            if observer is not None:
+                observer(i, q, k_cache)
             if step.runs is None:
                 o = graph_attention(q, k_cache, v_cache, step.slot, step.kv_len[i], self.scale)
             else:

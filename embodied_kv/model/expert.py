@@ -84,16 +84,24 @@ class ActionExpert(nn.Module):
         ctx = self.context(t.reshape(1), x_t.shape[0], prefix_len, rows, x_t.device)
         return self.velocity_at(x_t, ctx, 0, arena, slot, prefix_len)
 
-    def context(self, times, h_len: int, prefix_len, rows: int | None, device) -> StepContext:
+    def context(
+        self, times, h_len: int, prefix_len, rows: int | None, device, layer_rows=None
+    ) -> StepContext:
         """What every Euler step shares: modulation for `times` [S], the suffix's RoPE
-        tables, the additive prefix mask (0 / -inf over [0, rows), or zeros [P])."""
+        tables, the additive prefix mask (0 / -inf over [0, rows), or zeros [P]).
+
+        `layer_rows` [L] (a VL-Cache-compressed prefix, kv/compress.py): layer l reads rows
+        [0, layer_rows[l]) and the mask is per layer, [L, rows + H]."""
         position = prefix_len + torch.arange(h_len, device=device)
         n_rows = prefix_len if rows is None else rows
-        bias = torch.zeros(n_rows, device=device)
+        lead = () if layer_rows is None else (layer_rows.shape[0],)
+        valid = prefix_len if layer_rows is None else layer_rows[:, None]  # [L, 1]
+        bias = torch.zeros(*lead, n_rows, device=device)
         if rows is not None:
-            bias = bias.masked_fill(torch.arange(rows, device=device) >= prefix_len, float("-inf"))
+            bias = bias.masked_fill(torch.arange(rows, device=device) >= valid, float("-inf"))
         # the suffix attends to all its own tokens: its part of the mask is zeros
-        bias = torch.cat([bias, torch.zeros(h_len, device=device)])  # [rows + H] fp32
+        suffix = torch.zeros(*lead, h_len, device=device)
+        bias = torch.cat([bias, suffix], dim=-1)  # [rows + H] or [L, rows + H] fp32
         return StepContext(self.modulation(times), self.rope.at(position), n_rows, bias)
 
     def velocity_at(
@@ -123,7 +131,8 @@ class ActionExpert(nn.Module):
             q, k_ = self.rope.rotate(q, ctx.cos_sin), self.rope.rotate(k_, ctx.cos_sin)
             kp = arena.k[i, slot, : ctx.n_rows]  # [P, Hkv, D], a view
             vp = arena.v[i, slot, : ctx.n_rows]
-            o = expert_attention(q, kp, vp, k_, v, self.scale, ctx.bias)  # one kernel on CUDA
+            bias = ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i]
+            o = expert_attention(q, kp, vp, k_, v, self.scale, bias)  # one kernel on CUDA
             h = torch.addcmul(h, attn.o_proj(o.reshape(h_len, -1)), mod.gate[j, k])
             post = layer.post_attention_layernorm
             xn = post.modulate(h, mod.scale1[j + 1, k], mod.shift[j + 1, k])
@@ -139,6 +148,7 @@ class ActionExpert(nn.Module):
         prefix_len: int | torch.Tensor,
         noise: torch.Tensor,
         rows: int | None = None,
+        layer_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Euler integration from t=1 (noise [H, A]) to t=0 -> action chunk [H, A] fp32.
 
@@ -150,7 +160,7 @@ class ActionExpert(nn.Module):
         x = noise.float()
         # t_k = 1 + k dt in float64, as the Python float would be, then fp32
         times = (1.0 + torch.arange(steps, dtype=torch.float64, device=x.device) * dt).float()
-        ctx = self.context(times, x.shape[0], prefix_len, rows, x.device)
+        ctx = self.context(times, x.shape[0], prefix_len, rows, x.device, layer_rows)
         for k in range(steps):
             x = x + dt * self.velocity_at(x, ctx, k, arena, slot, prefix_len).float()
         return x
@@ -172,4 +182,5 @@ class StepContext:
     modulation: Modulation
     cos_sin: tuple[torch.Tensor, torch.Tensor]  # [H, 1, D] each: RoPE of the suffix
     n_rows: int | torch.Tensor  # prefix rows read from the arena
-    bias: torch.Tensor  # [n_rows + H] fp32 additive mask: 0 or -inf (rows >= prefix_len)
+    bias: torch.Tensor  # [n_rows + H] fp32 additive mask: 0 or -inf (rows >= prefix_len);
+    # [L, n_rows + H] for a compressed prefix (rows >= that layer's length)

@@ -67,6 +67,7 @@ class StepInput:
 class Prefix:
     embeds: torch.Tensor  # [P, W]
     prompt_truncated: bool
+    n_image: int = 0  # image rows at the front; rows [n_image, P) are the prompt text
 
 
 class VLA(nn.Module):
@@ -129,7 +130,8 @@ class VLA(nn.Module):
             imgs = to_device(obs.images[present], self.device)  # the tower casts (fp32)
             parts.append(self.vision(imgs).reshape(-1, c.backbone.width).to(self.dtype))
         parts.append(self.backbone.embed(ids))
-        return Prefix(torch.cat(parts, dim=0), prompt.truncated)
+        n_image = parts[0].shape[0] if present else 0
+        return Prefix(torch.cat(parts, dim=0), prompt.truncated, n_image)
 
     def make_noise(self, seed: int) -> torch.Tensor:
         """Seeded fp32 noise [H, A] (the flow state stays fp32 under bf16), drawn on the
@@ -141,19 +143,22 @@ class VLA(nn.Module):
     # -- the one packed step --------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, arena: KVArena, inputs: list[StepInput], pad_to: int = 0) -> torch.Tensor:
+    def step(
+        self, arena: KVArena, inputs: list[StepInput], pad_to: int = 0, observer=None
+    ) -> torch.Tensor:
         """Run one packed step; returns fp32 logits [len(inputs), V] at each input's last
         token, on the model's device (no host sync).
 
         Replays a graph when engine/graphs.py holds one for this arena and size; else
-        runs eagerly, padded to `pad_to` tokens if given (a graph's shapes)."""
-        if self.graphs is not None and self.graphs.arena is arena:
+        runs eagerly, padded to `pad_to` tokens if given (a graph's shapes). An `observer`
+        (GemmaBackbone.forward) always runs eagerly: a graph has no place to call it."""
+        if self.graphs is not None and self.graphs.arena is arena and observer is None:
             logits = self.graphs.step(inputs)
             if logits is not None:
                 return logits
         segments = [Segment(i.slot, i.n, i.causal) for i in inputs]
         plan = plan_step(arena, segments, pad_to)
-        hidden = self.backbone(self.embed_inputs(inputs, plan.n_padded), plan, arena)
+        hidden = self.backbone(self.embed_inputs(inputs, plan.n_padded), plan, arena, observer)
         commit_step(arena, plan)
         return self.backbone.logits(hidden, plan.last_index)[: len(inputs)]
 
@@ -179,13 +184,15 @@ class VLA(nn.Module):
             start += inp.n
         return x
 
-    def prefill(self, arena: KVArena, slot: int, prefix: Prefix) -> torch.Tensor:
-        """Bidirectional prefix into an empty slot -> logits [V] of its last token."""
+    def prefill(self, arena: KVArena, slot: int, prefix: Prefix, observer=None) -> torch.Tensor:
+        """Bidirectional prefix into an empty slot -> logits [V] of its last token. The
+        prefix's tokens are rows [0, P) of the step (an `observer` sees them so)."""
         if arena.slot_len(slot):
             raise ValueError(
                 f"prefill needs an empty slot; slot {slot} holds {arena.slot_len(slot)} rows"
             )
-        return self.step(arena, [StepInput(slot, embeds=prefix.embeds, causal=False)])[0]
+        inputs = [StepInput(slot, embeds=prefix.embeds, causal=False)]
+        return self.step(arena, inputs, observer=observer)[0]
 
     def append(self, arena: KVArena, slot: int, ids: torch.Tensor) -> torch.Tensor:
         """Causal text appended to a slot -> logits [V] after its last token."""
@@ -197,13 +204,31 @@ class VLA(nn.Module):
 
     @torch.no_grad()
     def sample_actions(
-        self, arena: KVArena, slot: int, prefix_len: int, noise: torch.Tensor
+        self,
+        arena: KVArena,
+        slot: int,
+        prefix_len: int,
+        noise: torch.Tensor,
+        compressed: bool = False,
     ) -> torch.Tensor:
         """Action chunk [H, A] from the prefix rows [0, prefix_len) of `slot`.
 
         Replays the denoise graph when engine/graphs.py holds one for this arena; the
-        eager path computes the same bytes (same row bucket, same masked loop)."""
-        if not 0 < prefix_len <= int(arena.length[:, slot].min()):
+        eager path computes the same bytes (same row bucket, same masked loop).
+        `compressed`: the slot's prefix was compacted by VL-Cache (kv/compress.py), layer l
+        keeps rows [0, length[l]) of it; the suffix's positions still follow prefix_len
+        (RoPE of the kept keys is untouched). Eager only."""
+        lens = arena.length[:, slot]
+        if compressed:
+            if not (0 < int(lens.min()) and int(lens.max()) <= prefix_len <= arena.next_pos[slot]):
+                raise ValueError(
+                    f"compressed slot {slot}: lengths {lens.tolist()} vs prefix_len {prefix_len}"
+                )
+            rows = denoise_rows(int(lens.max()), arena.spec.max_len)
+            plen = torch.full((), prefix_len, dtype=torch.int64, device=self.device)
+            layer_rows = to_device(lens.clone(), self.device)
+            return self.expert.sample(arena, slot, plen, noise, rows, layer_rows)
+        if not 0 < prefix_len <= int(lens.min()):
             raise ValueError(
                 f"prefix_len {prefix_len} not within slot {slot}'s {arena.slot_len(slot)} rows"
             )

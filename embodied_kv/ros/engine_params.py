@@ -15,6 +15,7 @@ from typing import Any
 
 from embodied_kv.engine.engine import EngineConfig
 from embodied_kv.kv.capsule_store import StoreConfig
+from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.model.action_tokens import ActionTokenConfig
 from embodied_kv.model.robot_loader import RobotSpec
 
@@ -55,6 +56,9 @@ ENGINE_PARAMS: tuple[ParamSpec, ...] = (
         0,
         "longest question / plan prompt (memory + goal), tokens; sizes the arena; 0 = preset's",
     ),
+    ParamSpec("language.kv_budget", 1.0, "VL-Cache: image KV rows kept by answers (1.0 = off)"),
+    ParamSpec("language.kv_method", "vlcache", "KV compression method (kv/presses.py)"),
+    ParamSpec("language.kv_compress_expert", False, "the action expert reads it compressed too"),
     ParamSpec("max_cycle_failures", 3, "failed engine cycles in a row before the safe state"),
     ParamSpec("capsules.gpu_bytes", 512 << 20, "capsule budget of the device tier (B)"),
     ParamSpec("capsules.host_bytes", 2 << 30, "capsule budget of the host tier (B)"),
@@ -138,6 +142,11 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
             seed=_int(get, "seed"),
         ),
         ar_unified=_bool(get, "ar.unified"),
+        compress=CompressConfig(
+            budget=_float(get, "language.kv_budget"),
+            method=_str(get, "language.kv_method"),
+            compress_expert=_bool(get, "language.kv_compress_expert"),
+        ),
     )
 
 

@@ -124,3 +124,18 @@ def test_command_line_weights_override_the_config_for_every_node():
         assert params.for_node(node)["weights"] == "out/train/weights.safetensors"
         assert params.for_node(node)["preset"] == "world"
     assert load_params(default_config_path()).with_overrides(weights=None).common["weights"] == ""
+
+
+def test_language_kv_parameters_become_the_compression_config():
+    params = load_params(default_config_path())
+    defaults = {spec.name: spec.default for spec in ENGINE_PARAMS}
+    cfg = engine_config(lambda name: params.for_node("language_expert").get(name, defaults[name]))
+    assert cfg.compress.budget == 1.0 and not cfg.compress.enabled  # shipped: off
+    assert (cfg.compress.method, cfg.compress.compress_expert) == ("vlcache", False)
+    values = defaults | {"language.kv_budget": 0.1, "language.kv_method": "snapkv"}
+    cfg = engine_config(values.__getitem__)
+    assert (cfg.compress.budget, cfg.compress.method, cfg.compress.enabled) == (0.1, "snapkv", True)
+    with pytest.raises(ValueError, match="kv budget 1.5"):
+        engine_config((values | {"language.kv_budget": 1.5}).__getitem__)
+    with pytest.raises(ValueError, match="unknown KV compression method 'zip'"):
+        engine_config((values | {"language.kv_method": "zip"}).__getitem__)

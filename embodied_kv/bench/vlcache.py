@@ -1,0 +1,170 @@
+"""`embodied-kv bench vlcache`: VL-Cache against the full cache and the baselines, at equal
+KV budgets, in one run.
+
+Methods (kv/presses.py): full, streaming (StreamingLLM), h2o, snapkv, pyramidkv, vlcache and
+its two ablations (vlcache_uniform: post-vision scores, uniform budgets; vlcache_accum:
+sparsity budgets, accumulated scores). Budget α = the fraction of the prefix's image KV rows
+kept over all layers (the prompt text is always kept, by every method), at
+{1, 5, 10, 20, 40}% and 100% (the full cache). Sections:
+
+    speed     decode step and attention over compressed vs full slots, KV bytes, and the
+              prefill overhead of the statistics (bench/vlcache_speed.py). `--preset tiny`:
+              the world at 3 cameras and a larger image (random weights); `--preset pi05`:
+              pi0.5's widths at `--layers` depth (random weights, a GPU, or a CPU with
+              --allow-cpu-pi05)
+    fidelity  top-1 and greedy-32 agreement with the full cache, CacheHitRate, on world
+              scenes (bench/vlcache_fidelity.py): the trained model with --weights, else the
+              long random world
+    qa        with --weights: scene-question accuracy through the Engine per method and
+              budget (eval/world.py question_accuracy), then the acceptance verdict:
+              vlcache at 10% within 3 points of full, and >= every other method at 5% and 10%
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from pathlib import Path
+
+from embodied_kv.bench import harness, vlcache_fidelity, vlcache_speed
+from embodied_kv.bench.report import print_table
+from embodied_kv.engine.engine import Engine
+from embodied_kv.eval.world import EvalConfig, make_engine, question_accuracy
+from embodied_kv.kv.compress import CompressConfig
+from embodied_kv.kv.presses import PRESSES
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.model.vla import build_model
+from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained, world_config
+
+BUDGETS = (0.01, 0.05, 0.1, 0.2, 0.4)  # plus 1.0: the full cache
+QUICK_BUDGETS = (0.05, 0.1)  # the acceptance's budgets
+ACCEPT_BUDGET, ACCEPT_POINTS, WIN_BUDGETS = 0.1, 3.0, (0.05, 0.1)
+METHODS = tuple(PRESSES)
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "world" / WEIGHTS_FILE
+
+
+def parse(argv):
+    desc = __doc__.split("\n")[0]
+    p = argparse.ArgumentParser(prog="embodied-kv bench vlcache", description=desc)
+    harness.add_common_args(p)
+    p.add_argument("--weights", default=str(SHIPPED) if SHIPPED.is_file() else "",
+                   help="trained world weights (QA rows); default: the shipped file if present")
+    p.add_argument("--tokenizer", default="", help="default: tokenizer.json beside the weights")
+    p.add_argument("--questions", type=int, default=None, help="QA questions (60; quick 12)")
+    p.add_argument("--scenes", type=int, default=None, help="fidelity scenes (12; quick 3)")
+    p.add_argument("--cameras", type=int, default=3, help="cameras of the long random world")
+    p.add_argument("--image-size", type=int, default=None, help="its image size (96; quick 64)")
+    p.add_argument("--layers", type=int, default=2, help="pi05: backbone / expert depth")
+    p.add_argument("--vision-layers", type=int, default=2, help="pi05: SigLIP depth")
+    p.add_argument("--batch", type=int, default=4, help="language requests per decode step")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (9; quick 5)")
+    args = harness.parse(p, argv)
+    args.questions = args.questions if args.questions is not None else (12 if args.quick else 60)
+    args.scenes = args.scenes if args.scenes is not None else (3 if args.quick else 12)
+    args.image_size = args.image_size or (64 if args.quick else 96)
+    args.repeats = args.repeats or (5 if args.quick else 9)
+    if min(args.questions, args.cameras, args.batch, args.repeats) < 1 or args.scenes < 1:
+        p.error("--questions, --scenes, --cameras, --batch and --repeats must be >= 1")
+    return args
+
+
+def long_world(args, tokenizer_dir: str):
+    """The world preset at `--cameras` and `--image-size`, random weights: a long visual
+    prefix (3 x 144 image rows at 96 px)."""
+    cfg = world_config()
+    cfg = dataclasses.replace(cfg, num_cameras=args.cameras,
+                              vision=dataclasses.replace(cfg.vision, image_size=args.image_size))
+    tok = save_tokenizer(Path(tokenizer_dir) / TOKENIZER_FILE)
+    return build_model(cfg, args.device, tokenizer_path=str(tok))
+
+
+def speed_model(args, world):
+    """(model, prefix) the speed rows run on."""
+    if args.preset == "pi05":
+        cfg = get_preset("pi05", layers=args.layers, vision_layers=args.vision_layers)
+        model = build_model(cfg, args.device)
+        return model, model.embed_prefix(synthetic_observation(cfg, 0, "put the cup on the plate"))
+    return world, vlcache_fidelity.world_prompts(world, 1)[0].prefix
+
+
+def qa_rows(model, methods, budgets, questions: int) -> dict[str, float]:
+    """Scene-question accuracy through the Engine per method@budget (and full@1)."""
+    cfg = EvalConfig(episodes=0, questions=questions, memory=0)
+    base = make_engine(model, cfg).cfg  # eval world's engine settings, compression added
+    out = {}
+    for method in methods:
+        for budget in budgets if method != "full" else [1.0]:
+            compress = CompressConfig(budget=budget, method=method)
+            engine = Engine(dataclasses.replace(base, compress=compress), model=model)
+            out[f"{method}@{budget:g}"] = question_accuracy(engine, cfg)["qa"]
+    return out
+
+
+def verdict(qa: dict[str, float]) -> tuple[bool, str]:
+    """The acceptance: vlcache at 10% within 3 points of full; >= every other method at 5%
+    and 10% (the losing rows named)."""
+    full, ours = qa["full@1"], qa[f"vlcache@{ACCEPT_BUDGET:g}"]
+    close = (full - ours) * 100 <= ACCEPT_POINTS
+    others = [m for m in METHODS if m not in ("full", "vlcache")]
+    losses = [f"{m}@{b:g} {qa[f'{m}@{b:g}']:.3f} > vlcache {qa[f'vlcache@{b:g}']:.3f}"
+              for b in WIN_BUDGETS for m in others if qa[f"{m}@{b:g}"] > qa[f"vlcache@{b:g}"]]
+    ok = close and not losses
+    line = (f"VERDICT {'PASS' if ok else 'FAIL'}: vlcache@10% QA {ours:.3f} vs full {full:.3f} "
+            f"({(full - ours) * 100:+.1f} points lost, need <= {ACCEPT_POINTS:g}: "
+            f"{'ok' if close else 'no'}); vs every other method at 5%/10%: "
+            f"{'ok' if not losses else 'loses to ' + '; '.join(losses)}")  # fmt: skip
+    return ok, line
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    env = harness.Environment.start(args, argv)
+    budgets = list(QUICK_BUDGETS if args.quick else BUDGETS)
+    speed_budgets = [0.1] if args.quick else budgets
+    with tempfile.TemporaryDirectory() as tmp:
+        world = long_world(args, tmp)
+        model, prefix = speed_model(args, world)
+        speed = vlcache_speed.measure(model, prefix, speed_budgets, args.batch, args.repeats)
+        trained = load_trained(args.weights, args.tokenizer or None) if args.weights else None
+        fid_model = trained or world
+        prompts = vlcache_fidelity.world_prompts(fid_model, args.scenes)
+        fidelity = vlcache_fidelity.measure(fid_model, prompts, list(METHODS), budgets)
+    qa = qa_rows(trained, METHODS, budgets, args.questions) if trained is not None else {}
+
+    pre = speed["prefill"]
+    print(f"speed ({env.device_name}, {args.preset}, prefix {speed['prefix_rows']} rows of which "
+          f"{speed['image_rows']} image, batch {args.batch}): statistics add "
+          f"{pre['overhead'] * 100:+.1f}% to a {pre['prefill_ms']:.1f} ms prefill")  # fmt: skip
+    print_table(
+        ["budget", "rows/layer", "KV KiB", "full KiB", "step ms", "full ms", "step x", "attn x",
+         "expert x"],
+        [[r["budget"], "/".join(map(str, r["rows_per_layer"])), r["kv_bytes"] / 1024,
+          r["kv_bytes_full"] / 1024, r["decode_step_ms"], r["decode_step_full_ms"],
+          r["decode_speedup"], r["attention_speedup"], r["expert_speedup"]]
+         for r in speed["rows"]],
+    )  # fmt: skip
+    which = f"trained weights {args.weights}" if trained else "random weights, long world"
+    print(f"\nfidelity vs the full cache ({which}, {len(prompts)} scenes, prefix "
+          f"{prompts[0].prefix.embeds.shape[0]} rows)")
+    print_table(
+        ["method@budget", "top1", "greedy32 exact", "greedy32 prefix", "hit rate",
+         "chunk err", "QA"],
+        [[k, r["top1"], r["greedy32_exact"], r["greedy32_prefix"], r["hit_rate"],
+          r["chunk_err"], qa.get(k, float("nan"))] for k, r in fidelity.items()],
+    )  # fmt: skip
+    result = {
+        "benchmark": "vlcache", "preset": args.preset, "quick": args.quick,
+        "weights": args.weights or None, "budgets": budgets, "speed": speed,
+        "fidelity": fidelity, "qa": qa,
+    }  # fmt: skip
+    if qa:
+        ok, line = verdict(qa)
+        result["verdict"] = {"pass": ok, "line": line}
+    else:
+        line = "VERDICT n/a: no trained weights (--weights PATH) -> no QA rows; fidelity only"
+    print("\n" + line)
+    harness.finish(result, env, args.json)
+    return 0

@@ -1,0 +1,262 @@
+"""VL-Cache: sparsity- and modality-aware compression of a visual prefix, in place in its slot.
+
+After the prefill of a frame, for every layer:
+
+    1. statistics  the attention of chosen query rows (VL-Cache: the post-vision prompt text)
+                   over the prefix, per head: column sums and the count of entries below
+                   p * rowmax (kernels/attn_stats.py, computed inside the prefill, which is
+                   the only time the queries exist)
+    2. budgets     per layer from its sparsity γ_l (Algorithm 1):
+                   b_l = clip((1 - γ_l) / Σ(1 - γ) * α * L, 0.01, 1), then the clipped excess
+                   or shortfall refilled over the unclipped layers so every method spends
+                   exactly α * L * n_image image rows (equal KV bytes across methods)
+    3. selection   the k_l best-scored image rows of layer l, plus every prompt text row
+    4. compaction  kept rows moved to the front of the slot, layer by layer (ascending row
+                   order); length[l] = k_l + text rows; next_pos stays P, so decode
+                   positions continue where the full prefix ended. K was stored after RoPE:
+                   a kept key keeps its position, nothing is rotated again.
+
+    slot (one layer) before:  [ img img img img img ... img | text text text ]   length P
+                     after:   [ img img text text text | stale ...           ]   length k_l + τ
+
+The packed step reads rows [0, length[l]) per layer (kv/step.py), so a decode over a
+compressed slot costs what its kept rows cost. The budget α counts image rows: the text rows
+(what the model was asked) are always kept, by every method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embodied_kv.kernels.attn_stats import attn_stats_into, stats_workspace
+from embodied_kv.kv.arena import KVArena
+from embodied_kv.kv.presses import ALL_ROWS, POST_VISION, WINDOW, Press, budget_weights, get_press
+
+MIN_BUDGET = 0.01  # VL-Cache Algorithm 1: a layer keeps at least 1% of its rows
+
+
+@dataclass(frozen=True)
+class CompressConfig:
+    budget: float = 1.0  # α: image rows kept, over all layers (language.kv_budget); 1 = off
+    method: str = "vlcache"  # a press of kv/presses.py (language.kv_method)
+    threshold: float = 0.01  # p: an entry below p * its row's max counts as sparse (VL-Cache)
+    window: int = 8  # SnapKV / PyramidKV observation window: the prefix's last rows
+    sink: int = 4  # StreamingLLM attention-sink rows
+    compress_expert: bool = False  # the action expert reads the compressed prefix too
+
+    def __post_init__(self):
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"kv budget {self.budget} must be in (0, 1] (1.0 = off)")
+        get_press(self.method)
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"sparsity threshold {self.threshold} must be in (0, 1)")
+        if self.window < 1 or self.sink < 0:
+            raise ValueError(f"window={self.window} must be >= 1 and sink={self.sink} >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget < 1.0 and self.method != "full"
+
+    @property
+    def press(self) -> Press:
+        return get_press(self.method)
+
+
+@dataclass(frozen=True)
+class PrefixLayout:
+    n_rows: int  # P: rows of the prefix in the slot
+    n_image: int  # rows [0, n_image) are image tokens; [n_image, P) the prompt text
+
+    def __post_init__(self):
+        if not 0 <= self.n_image < self.n_rows:
+            raise ValueError(f"a {self.n_rows}-row prefix cannot hold {self.n_image} image rows")
+
+    def query_rows(self, which: str, window: int) -> tuple[int, int]:
+        """The query rows [a, b) whose attention scores a press reads."""
+        if which == ALL_ROWS:
+            return 0, self.n_rows
+        if which == WINDOW:  # the observation window never reaches into the image
+            return max(self.n_image, self.n_rows - window), self.n_rows
+        assert which == POST_VISION, which
+        return self.n_image, self.n_rows
+
+
+@dataclass
+class PrefixStats:
+    scores: dict[str, torch.Tensor]  # query range -> [L, P] fp32 column sums over heads
+    sparsity: torch.Tensor | None  # [L] fp64: post-vision sparsity averaged over heads
+
+
+class StatsRecorder:
+    """The observer of one prefill (GemmaBackbone.forward): per layer, the statistics of the
+    query ranges in `ranges` over the slot's P prefix rows (the prefill's tokens are the
+    step's rows [0, P), VLA.prefill). Each layer writes partials into buffers allocated here,
+    once per frame (one kernel launch per layer and range on CUDA); `stats` reduces them."""
+
+    def __init__(self, layout: PrefixLayout, slot: int, ranges: dict[str, tuple[int, int]],
+                 layers: int, scale: float, threshold: float, heads: int, device):  # fmt: skip
+        self.layout, self.slot, self.ranges = layout, slot, ranges
+        self.scale, self.threshold = scale, threshold
+        self.work = {name: stats_workspace(b - a, heads, layout.n_rows, device, layers)
+                     for name, (a, b) in ranges.items()}  # fmt: skip
+        self.seen = [False] * layers
+
+    def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+        keys = k_cache[self.slot, : self.layout.n_rows]  # [P, Hkv, D]: written by this layer
+        for name, (a, b) in self.ranges.items():
+            colsum, below = self.work[name]
+            attn_stats_into(q[a:b], keys, self.scale, self.threshold, colsum[layer], below[layer])
+        self.seen[layer] = True
+
+    def stats(self) -> PrefixStats:
+        if not all(self.seen):
+            raise RuntimeError("the prefill did not run every layer through the recorder")
+        scores = {name: w[0].sum((1, 2)) for name, w in self.work.items()}  # [L, P]
+        sparsity = None
+        if POST_VISION in self.ranges:
+            a, b = self.ranges[POST_VISION]
+            below = self.work[POST_VISION][1].sum(1, dtype=torch.int64)  # [L, Hq]
+            sparsity = (below.double() / ((b - a) * self.layout.n_rows)).mean(1).cpu()
+        return PrefixStats(scores, sparsity)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows a compressed slot keeps: per layer, ascending row indices (image rows picked
+    by the press, then every text row)."""
+
+    layout: PrefixLayout
+    keep: tuple[torch.Tensor, ...]  # L x [k_l + τ] int64 (host)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(k.shape[0]) for k in self.keep]
+
+
+def image_rows_total(budget: float, layers: int, n_image: int) -> int:
+    """Image rows all layers keep together at budget α: α * L * n_image, at least one per
+    layer."""
+    return min(layers * n_image, max(layers, round(budget * layers * n_image)))
+
+
+def fill_budgets(weights: torch.Tensor, budget: float, lo: float = MIN_BUDGET) -> torch.Tensor:
+    """Per-layer fractions [L] ∝ weights, clipped to [lo, 1], summing to budget * L: the
+    clip of Algorithm 1, then what the clip took or gave spread over the unclipped layers
+    (in proportion to their weights) until the total holds."""
+    layers = weights.shape[0]
+    w = weights.double().clamp(min=0)
+    w = w if w.sum() > 0 else torch.ones_like(w)
+    total = budget * layers
+    b = (w / w.sum() * total).clamp(lo, 1.0)
+    for _ in range(layers):
+        gap = total - float(b.sum())
+        free = b > lo if gap < 0 else b < 1.0  # layers that can give / take
+        if abs(gap) < 1e-12 or not free.any():
+            break
+        wf = w[free] if w[free].sum() > 0 else torch.ones_like(w[free])
+        b[free] += gap * wf / wf.sum()
+        b = b.clamp(lo, 1.0)
+    return b
+
+
+def round_rows(fractions: torch.Tensor, n_image: int, total: int) -> list[int]:
+    """Rows per layer from fractions of n_image: largest remainders, summing to `total`,
+    each in [1, n_image] (one row per layer and pass, largest remainder first)."""
+    want = fractions.double() * n_image
+    rows = want.floor().clamp(1, n_image).long().tolist()
+    order = torch.sort(want - want.floor(), descending=True, stable=True).indices.tolist()
+    gap = total - sum(rows)
+    while gap:
+        moved = False
+        for i in order if gap > 0 else order[::-1]:
+            if gap > 0 and rows[i] < n_image:
+                rows[i], gap, moved = rows[i] + 1, gap - 1, True
+            elif gap < 0 and rows[i] > 1:
+                rows[i], gap, moved = rows[i] - 1, gap + 1, True
+            if not gap:
+                break
+        if not moved:
+            raise AssertionError(f"cannot spread {total} rows over {fractions.tolist()}")
+    return rows
+
+
+def allocate(press: Press, cfg: CompressConfig, stats: PrefixStats | None,
+             layers: int, n_image: int) -> list[int]:  # fmt: skip
+    """Image rows each layer keeps under `press` at cfg.budget: the same total for every
+    method except `full` (all rows)."""
+    if press.budgets == "full":
+        return [n_image] * layers
+    weights = budget_weights(press, stats.sparsity if stats else None, layers)
+    total = image_rows_total(cfg.budget, layers, n_image)
+    return round_rows(fill_budgets(weights, total / (layers * n_image)), n_image, total)
+
+
+def select(press: Press, cfg: CompressConfig, layout: PrefixLayout,
+           stats: PrefixStats | None, layers: int) -> Selection:  # fmt: skip
+    """The rows each layer keeps: the press's best k_l image rows, then the text rows."""
+    counts = allocate(press, cfg, stats, layers, layout.n_image)
+    text = torch.arange(layout.n_image, layout.n_rows)
+    keep = []
+    for layer, k in enumerate(counts):
+        scores = stats.scores[press.scores][layer] if press.scores else None
+        order = press.rank(scores, layout.n_image, cfg.sink)
+        keep.append(torch.cat([torch.sort(order[:k]).values, text]))
+    return Selection(layout, tuple(keep))
+
+
+def compact(arena: KVArena, slot: int, selection: Selection) -> None:
+    """Move each layer's kept rows to the front of `slot` and set its per-layer lengths.
+    The slot must hold exactly the prefix (right after its prefill); ValueError otherwise,
+    with nothing changed."""
+    layout, spec = selection.layout, arena.spec
+    lens = arena.length[:, slot]
+    if len(selection.keep) != spec.num_layers:
+        raise ValueError(f"selection of {len(selection.keep)} layers for {spec.num_layers}")
+    if bool((lens != layout.n_rows).any()) or int(arena.next_pos[slot]) != layout.n_rows:
+        raise ValueError(
+            f"slot {slot} holds lengths {lens.tolist()} (next_pos {int(arena.next_pos[slot])}), "
+            f"not exactly the {layout.n_rows}-row prefix the selection was made for"
+        )
+    for keep in selection.keep:
+        if keep.numel() == 0 or int(keep.min()) < 0 or int(keep.max()) >= layout.n_rows:
+            raise ValueError(f"kept rows {keep.tolist()} outside the prefix of {layout.n_rows}")
+    for layer, keep in enumerate(selection.keep):
+        idx = keep.to(arena.device)
+        n = idx.shape[0]
+        # the gather copies first, so moving rows forward never reads a row already written
+        arena.k[layer, slot, :n] = arena.k[layer, slot].index_select(0, idx)
+        arena.v[layer, slot, :n] = arena.v[layer, slot].index_select(0, idx)
+        arena.length[layer, slot] = n
+
+
+class Compressor:
+    """What the KV manager holds: records a frame's statistics during its prefill, selects
+    once per frame, compacts the slot a language request decodes in."""
+
+    def __init__(self, cfg: CompressConfig, model):
+        b = model.cfg.backbone
+        self.cfg, self.press, self.layers, self.heads = cfg, cfg.press, b.layers, b.heads
+        self.scale, self.device = model.backbone.scale, model.device
+
+    def ranges(self, layout: PrefixLayout) -> dict[str, tuple[int, int]]:
+        """Query rows the press reads, plus the post-vision rows when it needs sparsity."""
+        names = {self.press.scores} - {None}
+        if self.press.budgets == "sparsity":
+            names.add(POST_VISION)
+        return {n: layout.query_rows(n, self.cfg.window) for n in sorted(names)}
+
+    def recorder(self, slot: int, layout: PrefixLayout) -> StatsRecorder | None:
+        """The prefill's observer, or None when this frame is not compressed."""
+        ranges = self.ranges(layout)
+        if not self.cfg.enabled or layout.n_image == 0 or not ranges:
+            return None
+        return StatsRecorder(layout, slot, ranges, self.layers, self.scale,
+                             self.cfg.threshold, self.heads, self.device)  # fmt: skip
+
+    def select(self, layout: PrefixLayout, recorder: StatsRecorder | None) -> Selection | None:
+        if not self.cfg.enabled or layout.n_image == 0:
+            return None
+        stats = recorder.stats() if recorder is not None else None
+        return select(self.press, self.cfg, layout, stats, self.layers)
