@@ -280,7 +280,8 @@ class SegmentMemory:
         with self._lock:
             return {
                 "segments": [[k, s.text, s.group] for k, s in self.segments.items()],
-                "groups": [[n, g.members, g.last_change, g.static] for n, g in self.groups.items()],
+                "groups": [[n, list(g.members), g.last_change, g.static]
+                           for n, g in self.groups.items()],  # fmt: skip
                 "blocks": [[k, b.pos0, [list(s) for s in b.spans]] for k, b in self.blocks.items()],
                 "clock": self.clock,
                 "auto_groups": self.auto_groups,
