@@ -54,7 +54,8 @@ def attention_mass(view: LayerView, src: list[int], spans: list[tuple[int, int]]
     rows `src` to each span of prompt tokens -> [len(src), len(spans)] fp32."""
     arena, i = view.arena, view.layer
     q = view.q[src].float()  # [m, Hq, D]
-    reach = max(view.kv_len[j] for j in src)
+    span_end = view.row0 + max(a + n for a, n in spans)
+    reach = max(span_end, *(view.kv_len[j] for j in src))  # rows past a token's own: masked
     k = arena.k[i, view.slot, :reach].float()  # [R, Hkv, D]
     m, hq, d = q.shape
     hkv = k.shape[1]
@@ -62,11 +63,11 @@ def attention_mass(view: LayerView, src: list[int], spans: list[tuple[int, int]]
     lens = torch.tensor([view.kv_len[j] for j in src], device=q.device)
     mask = torch.arange(reach, device=q.device)[None, :] >= lens[:, None]  # [m, R]
     probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).mean((1, 2))
+    rows = [view.row0 + a + j for a, n in spans for j in range(n)]
+    owner = [s for s, (_, n) in enumerate(spans) for _ in range(n)]
     out = torch.zeros(m, len(spans), device=q.device)
-    for s, (start, n) in enumerate(spans):
-        r0 = view.row0 + start
-        out[:, s] = probs[:, r0 : r0 + n].sum(-1)
-    return out
+    idx = torch.tensor(rows, device=q.device)
+    return out.index_add_(1, torch.tensor(owner, device=q.device), probs.index_select(1, idx))
 
 
 class KeepSelector:
@@ -92,14 +93,21 @@ class KeepSelector:
         return keep
 
     def _multi_hop(self, view, lay, spans, cand: list[int], k: int) -> set[int]:
+        """One attention pass from the query and every candidate's tokens, then hops
+        over its [sources, candidates] mass: the set's tokens attend to -> score."""
         row = {t: j for j, t in enumerate(view.tokens)}
+        cs = [spans[s] for s in cand]
         query = [row[t] for t in range(lay.query_start, lay.n)]
-        cand_spans = [spans[s] for s in cand]
-        q_mass = attention_mass(view, query, cand_spans).mean(0)  # [C]
-        chosen = _top(q_mass, k)
+        own = [row[t] for a, n in cs for t in range(a, a + n)]
+        mass = attention_mass(view, query + own, cs)  # [nq + tokens, C]
+        q_mass = mass[: len(query)].mean(0)  # [C]
+        owner = torch.tensor([c for c, (_, n) in enumerate(cs) for _ in range(n)])
+        by_seg = torch.zeros(len(cs), len(cs)).index_add_(0, owner, mass[len(query) :].cpu())
+        sizes = torch.tensor([n for _, n in cs], dtype=torch.float32)
+        chosen = _top(q_mass.cpu(), k)
         for _ in range(self.cfg.hops):
-            src = [row[t] for c in chosen for t in range(cand_spans[c][0], sum(cand_spans[c]))]
-            score = q_mass + attention_mass(view, src, cand_spans).mean(0)
+            sel = sorted(chosen)
+            score = q_mass.cpu() + by_seg[sel].sum(0) / sizes[sel].sum()
             new = _top(score, k)
             if new == chosen:
                 break
@@ -108,9 +116,8 @@ class KeepSelector:
 
 
 def _top(score: torch.Tensor, k: int) -> set[int]:
-    # stable order on ties: the earlier segment first
-    order = sorted(range(score.shape[0]), key=lambda j: (-float(score[j]), j))
-    return set(order[:k])
+    # stable on ties: the earlier segment first
+    return set(torch.sort(-score.float(), stable=True).indices[:k].tolist())
 
 
 class CacheBlendSelector:
