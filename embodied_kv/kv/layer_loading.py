@@ -122,17 +122,27 @@ class LayerLoader:
             self._copy(copies)
 
     def _copy(self, copies: list[Copy]) -> None:
+        """CUDA: one async copy per segment from pinned memory on the copy stream. CPU:
+        one gather and one indexed write per layer (the copies are the host's own work)."""
         k, v = self.arena.k, self.arena.v
+        by_layer: dict[int, list[Source]] = {}
         for c in copies:
-            s = self.sources[c.unit]
-            dst = slice(s.slot_row, s.slot_row + s.n)
-            src = slice(s.block_row, s.block_row + s.n)
-            k[c.layer, self.slot, dst].copy_(s.block.k[c.layer, src], non_blocking=True)
-            v[c.layer, self.slot, dst].copy_(s.block.v[c.layer, src], non_blocking=True)
+            by_layer.setdefault(c.layer, []).append(self.sources[c.unit])
             self.pending.setdefault(c.layer, []).append(c.unit)
+        for layer, srcs in by_layer.items():
             if self.cuda:
-                event = self.events.setdefault(c.layer, torch.cuda.Event())
+                for s in srcs:
+                    dst = slice(s.slot_row, s.slot_row + s.n)
+                    src = slice(s.block_row, s.block_row + s.n)
+                    k[layer, self.slot, dst].copy_(s.block.k[layer, src], non_blocking=True)
+                    v[layer, self.slot, dst].copy_(s.block.v[layer, src], non_blocking=True)
+                event = self.events.setdefault(layer, torch.cuda.Event())
                 event.record(self.stream)
+                continue
+            rows = torch.tensor([r for s in srcs for r in range(s.slot_row, s.slot_row + s.n)])
+            for cache, part in ((k, "k"), (v, "v")):
+                got = [getattr(s.block, part)[layer, s.block_row : s.block_row + s.n] for s in srcs]
+                cache[layer, self.slot].index_copy_(0, rows, torch.cat(got))
 
     def wait(self, i: int) -> None:
         """Before layer i computes: its copies are done and their keys re-rotated."""

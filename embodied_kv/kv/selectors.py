@@ -93,22 +93,27 @@ class KeepSelector:
         return keep
 
     def _multi_hop(self, view, lay, spans, cand: list[int], k: int) -> set[int]:
-        """One attention pass from the query and every candidate's tokens, then hops
-        over its [sources, candidates] mass: the set's tokens attend to -> score."""
+        """Query attention, then hops: a set's tokens attend to -> score. A segment's
+        attention rows are computed once, the first time it is in a set."""
         row = {t: j for j, t in enumerate(view.tokens)}
         cs = [spans[s] for s in cand]
         query = [row[t] for t in range(lay.query_start, lay.n)]
-        own = [row[t] for a, n in cs for t in range(a, a + n)]
-        mass = attention_mass(view, query + own, cs)  # [nq + tokens, C]
-        q_mass = mass[: len(query)].mean(0)  # [C]
-        owner = torch.tensor([c for c, (_, n) in enumerate(cs) for _ in range(n)])
-        by_seg = torch.zeros(len(cs), len(cs)).index_add_(0, owner, mass[len(query) :].cpu())
-        sizes = torch.tensor([n for _, n in cs], dtype=torch.float32)
-        chosen = _top(q_mass.cpu(), k)
+        q_mass = attention_mass(view, query, cs).mean(0).cpu()  # [C]
+        sums: dict[int, torch.Tensor] = {}  # candidate -> its tokens' mass summed [C]
+
+        def from_set(chosen: set[int]) -> torch.Tensor:
+            need = sorted(c for c in chosen if c not in sums)
+            if need:
+                src = [row[t] for c in need for t in range(cs[c][0], cs[c][0] + cs[c][1])]
+                owner = torch.tensor([j for j, c in enumerate(need) for _ in range(cs[c][1])])
+                mass = attention_mass(view, src, cs).cpu()  # [rows, C]
+                per = torch.zeros(len(need), len(cs)).index_add_(0, owner, mass)
+                sums.update(zip(need, per, strict=True))
+            return sum(sums[c] for c in chosen) / sum(cs[c][1] for c in chosen)
+
+        chosen = _top(q_mass, k)
         for _ in range(self.cfg.hops):
-            sel = sorted(chosen)
-            score = q_mass.cpu() + by_seg[sel].sum(0) / sizes[sel].sum()
-            new = _top(score, k)
+            new = _top(q_mass + from_set(chosen), k)
             if new == chosen:
                 break
             chosen = new
