@@ -82,3 +82,13 @@ def test_memory_and_its_kv_are_session_state(tiny_model):
         assert torch.equal(engine.memory.blocks[key].v, v)
     engine.reset(EPISODE_START)
     assert len(engine.memory) == 0 and not engine.memory.blocks and engine.memory.clock == 0
+
+
+def test_a_plan_whose_memory_changed_before_admission_is_prefilled_as_text(tiny_model):
+    engine = make_engine(tiny_model)
+    request_id, _ = engine.plan("where is the red box ?")
+    engine.update_memory(MemoryOp.UPDATE, "red", "the red box is on the sink .", 16)
+    engine.observe(synthetic_observation(engine.model.cfg, 0, "tidy up"))
+    done = {e.request_id: e for e in engine.cycle(0).events if e.done}
+    assert engine.planner.fallbacks == 1 and done[request_id].status is Status.OK
+    assert not engine.memory.blocks  # nothing computed for a prompt that is not the memory's
