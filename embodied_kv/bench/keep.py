@@ -10,6 +10,7 @@ and the method appends header + memory + query (kv/memory_methods.py):
 
     ttft_ms      prefill of the plan prompt (cached KV placed, recomputation) to the
                  first token, the memory's blocks already refreshed
+    compute_share  prompt token-layers computed / full recomputation's (device-free)
     refresh_ms   computing the blocks the updates before this request invalidated
                  (off the request's path on a robot: when an update arrives)
     one_hop, two_hop   answer accuracy (the decoded word before EOS)
@@ -109,8 +110,8 @@ def run_segments(model, n: int, args, device: str) -> dict:
     family = methods(cache)
     compute = lambda texts: compute_block(model, arena, work, texts)  # noqa: E731
     clock = device_clock(device)
-    out = {m.name: {"ttft": [], "one_hop": [], "two_hop": [], "agree": [], "active": []}
-           for m in family}  # fmt: skip
+    out = {m.name: {"ttft": [], "one_hop": [], "two_hop": [], "agree": [], "active": [],
+                    "share": []} for m in family}  # fmt: skip
     refresh = {"grouped": [], "chunks": []}
     for _ in range(WARM_UPDATES):
         update(stream, grouped, chunks, n)
@@ -143,11 +144,15 @@ def run_segments(model, n: int, args, device: str) -> dict:
                 arena.truncate(slot, prefix.embeds.shape[0] + lay.n)
                 m.remember(arena, slot, lay, frame)
             arena.release(slot)
-            results[m.name] = (ms, tokens, getattr(m, "stats", None))
+            stats = getattr(m, "stats", None)
+            computed = lay.n - getattr(m, "reused", 0)  # token-layers: n per layer, or fewer
+            share = sum(stats.active) / (len(stats.active) * lay.n) if stats else computed / lay.n
+            results[m.name] = (ms, tokens, stats, share)
         reference = results["full"][1]
-        for name, (ms, tokens, stats) in results.items():
+        for name, (ms, tokens, stats, share) in results.items():
             row = out[name]
             row["ttft"].append(ms)
+            row["share"].append(share)
             row["one_hop" if hops == 1 else "two_hop"].append(answer(model, tokens) == truth)
             same = [a == b for a, b in zip(tokens, reference, strict=True)]
             row["agree"].append(float(np.mean(same)))
@@ -180,6 +185,7 @@ def summarise(n: int, raw: dict) -> list[dict]:
             "one_hop": float(np.mean(s["one_hop"])) if s["one_hop"] else float("nan"),
             "two_hop": float(np.mean(s["two_hop"])) if s["two_hop"] else float("nan"),
             "agree": float(np.mean(s["agree"])),
+            "compute_share": float(np.mean(s["share"])),  # token-layers computed / full's
             "active_per_layer": active,
         })  # fmt: skip
     return rows
@@ -222,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         raw = run_segments(model, n, args, args.device)
         rows += summarise(n, raw)
         extra[str(n)] = {k: raw[k] for k in ("static_groups", "groups", "counters")}
-    keys = ["ttft_ms", "speedup_vs_full", "refresh_ms", "one_hop", "two_hop", "agree"]
+    keys = ["ttft_ms", "speedup_vs_full", "compute_share", "refresh_ms", "one_hop", "two_hop",
+            "agree"]  # fmt: skip
     print_table(["N", "method", *keys], [[r["segments"], r["method"], *[r[k] for k in keys]]
                                          for r in rows])  # fmt: skip
     line = verdict(rows, bool(args.weights))

@@ -3,8 +3,9 @@
 * `KeepSelector` (KEEP's multi-hop recomputation, segment granularity): after layer i
   the query's attention to each still-active segment is its initial importance; take
   the top k = ceil(r_{i+1} x segments); re-score every candidate by the query's
-  attention plus the attention from the tokens of that set; repeat until the set is
-  stable (at most `hops` times). `hops=0` is the one-hop ablation.
+  attention plus the mean attention from that set (each segment through its last
+  token); repeat until the set is stable (at most `hops` times). `hops=0` is the
+  one-hop ablation.
 * `CacheBlendSelector` (token level): the ~15 % memory tokens whose V at layer 1
   deviates most from their cached V are computed from layer 1 on; the rest use the cache.
 * `FixedSelector`: a fixed set at every layer (full reuse: header + query only).
@@ -93,23 +94,21 @@ class KeepSelector:
         return keep
 
     def _multi_hop(self, view, lay, spans, cand: list[int], k: int) -> set[int]:
-        """Query attention, then hops: a set's tokens attend to -> score. A segment's
-        attention rows are computed once, the first time it is in a set."""
+        """Query attention, then hops: what the set attends to adds to the score. A
+        segment attends through its last token (it has read the whole segment): one
+        attention row per segment, computed the first time the segment is in a set."""
         row = {t: j for j, t in enumerate(view.tokens)}
         cs = [spans[s] for s in cand]
         query = [row[t] for t in range(lay.query_start, lay.n)]
         q_mass = attention_mass(view, query, cs).mean(0).cpu()  # [C]
-        sums: dict[int, torch.Tensor] = {}  # candidate -> its tokens' mass summed [C]
+        rows: dict[int, torch.Tensor] = {}  # candidate -> its last token's mass [C]
 
         def from_set(chosen: set[int]) -> torch.Tensor:
-            need = sorted(c for c in chosen if c not in sums)
+            need = sorted(c for c in chosen if c not in rows)
             if need:
-                src = [row[t] for c in need for t in range(cs[c][0], cs[c][0] + cs[c][1])]
-                owner = torch.tensor([j for j, c in enumerate(need) for _ in range(cs[c][1])])
-                mass = attention_mass(view, src, cs).cpu()  # [rows, C]
-                per = torch.zeros(len(need), len(cs)).index_add_(0, owner, mass)
-                sums.update(zip(need, per, strict=True))
-            return sum(sums[c] for c in chosen) / sum(cs[c][1] for c in chosen)
+                last = [row[cs[c][0] + cs[c][1] - 1] for c in need]
+                rows.update(zip(need, attention_mass(view, last, cs).cpu(), strict=True))
+            return sum(rows[c] for c in chosen) / len(chosen)
 
         chosen = _top(q_mass, k)
         for _ in range(self.cfg.hops):

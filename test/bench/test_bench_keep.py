@@ -19,6 +19,7 @@ def test_keep_bench_rows_are_complete_and_the_exact_methods_agree(tmp_path, caps
     ]
     for row in r["rows"]:
         assert row["ttft_ms"] > 0 and row["speedup_vs_full"] > 0 and 0 <= row["agree"] <= 1
+        assert 0 < row["compute_share"] <= 1
         if row["method"] in ("full", "prefix"):  # exact: the same tokens as full recomputation
             assert row["agree"] == 1.0
         if row["method"].startswith("keep"):

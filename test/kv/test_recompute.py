@@ -122,9 +122,8 @@ def test_multi_hop_selection_is_a_fixed_point_and_one_hop_is_the_query_alone(wor
         query = [row[t] for t in range(lay.query_start, lay.n)]
         cs = [lay.segments()[c] for c in cand]
         q_mass = selectors.attention_mass(view, query, cs).mean(0)
-        picked = [cs[j] for j, c in enumerate(cand) if c in chosen]
-        src = [row[t] for a, n in picked for t in range(a, a + n)]
-        score = q_mass + selectors.attention_mass(view, src, cs).mean(0)
+        last = [row[a + n - 1] for j, (a, n) in enumerate(cs) if cand[j] in chosen]
+        score = q_mass + selectors.attention_mass(view, last, cs).mean(0)
         assert {cand[j] for j in selectors._top(score, k)} == chosen  # stable under re-scoring
     for view, cand, k, chosen in seen[0]:
         row = {t: j for j, t in enumerate(view.tokens)}
