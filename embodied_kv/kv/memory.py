@@ -267,6 +267,15 @@ class SegmentMemory:
             texts = [t for u in self.units() for t in u.texts]
         return HEADER + "".join(piece(t) for t in texts) + query_suffix(goal)
 
+    def summary(self) -> dict:
+        """Sizes and process counters (diagnostics)."""
+        with self._lock:
+            static = sum(self.is_static(n) for n in self.groups)
+            nbytes = sum(b.k.nbytes + b.v.nbytes for b in self.blocks.values())
+            return {"segments": len(self.segments), "groups": len(self.groups),
+                    "static_groups": static, "blocks": len(self.blocks),
+                    "host_bytes": nbytes, **vars(self.counters)}  # fmt: skip
+
     # -- capsule section (kv.capsule.Stateful) ---------------------------------------------
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
