@@ -1,6 +1,9 @@
-"""`embodied-kv bench keep`: plan requests over a memory of N fact segments (10, 20, 30,
-40) with memory updates between them: TTFT, answer accuracy and fidelity of KEEP and
-its baselines, all in one run over the same frame, memory and queries.
+"""`embodied-kv bench keep`: KEEP against its baselines on plans over memory as KV.
+
+Plan requests over a memory of N fact segments (10, 20, 30, 40) with memory updates
+between them: TTFT, answer accuracy and fidelity of KEEP and its baselines, all in one
+run over the same frame, memory and queries. Without weights, `--preset tiny` is the
+`world` model with random weights and `--preset pi05` random pi05 (speed only).
 
 Per N: a world stream of N facts (bench/keep_stream.py) goes into two memories fed the
 same updates: KEEP's (static/dynamic groups, window t) and a chunk cache (one block
