@@ -20,9 +20,10 @@ from embodied_kv.kv.manager import FramePrefix, KVCacheManager, Status, TaskKind
 
 
 def admit(
-    manager: KVCacheManager, policy: LanguagePolicy, fp: FramePrefix, tokenizer
+    manager: KVCacheManager, policy: LanguagePolicy, fp: FramePrefix, tokenizer, planner=None
 ) -> list[TextEvent]:
-    """Create this frame's requests; -> final events of tasks refused here."""
+    """Create this frame's requests; -> final events of tasks refused here. A `planner`
+    (engine/plan_memory.py) may prefill a plan's memory from cached KV."""
     arena = manager.arena
     preemptible = [r for r in manager.live() if r.kind is TaskKind.NARRATION and r.slot is not None]
     capacity = arena.num_free + len(preemptible)  # with the frame slot still held
@@ -37,7 +38,12 @@ def admit(
                 policy.defer([t for t in tasks[i:] if not t.optional])
                 break
             suffix = tokenizer.encode(task.suffix, bos=False) if task.suffix else None
-            req = manager.create(fp, task.request_id, task.kind, task.max_new_tokens, suffix)
+            prefill = None
+            if planner is not None and task.kind is TaskKind.PLAN:
+                prefill = planner.prefill_for(manager.arena, task.suffix)
+            req = manager.create(
+                fp, task.request_id, task.kind, task.max_new_tokens, suffix, prefill=prefill
+            )
             assert req is not None  # _room made sure of a slot
         except ValueError as e:  # prompt does not fit, id collision: this task alone
             manager.counters.refused += 1

@@ -71,7 +71,7 @@ class ARLoop(FrameLoop):
         manager.counters.prompts_truncated += int(prefix.prompt_truncated)
         p = prefix.embeds.shape[0]
         fp = FramePrefix(frame, slot, p, out.prefix_logits, prefix.prompt_truncated, adopted=True)
-        refused = admit(manager, self.policy, fp, self.model.tokenizer)  # whole prompts only
+        refused = admit(manager, self.policy, fp, self.model.tokenizer, self.planner)  # whole
         if not self.unified and manager.live():
             manager.decode_step()  # the separate-steps baseline
             steps += 1

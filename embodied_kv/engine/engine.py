@@ -36,7 +36,7 @@ from embodied_kv.engine.observation_state import (
     observation_meta,
     observation_tensors,
 )
-from embodied_kv.engine.plan_memory import PlanMemory
+from embodied_kv.engine.plan_memory import MODES, MemoryPlanner, embedder
 from embodied_kv.engine.policy import LoopConfig, QueueFull, answer_suffix, arena_rows
 from embodied_kv.kv.capsule import (
     Identity,
@@ -49,6 +49,7 @@ from embodied_kv.kv.capsule import (
 from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
 from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.kv.manager import KVCacheManager, Status, TaskKind
+from embodied_kv.kv.memory import MemoryConfig, SegmentMemory
 from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.action_tokens import (
     ActionTokenConfig,
@@ -91,12 +92,16 @@ class EngineConfig:
     ar: ActionTokenConfig = field(default_factory=ActionTokenConfig)  # the `ar` tokens
     ar_unified: bool = True  # ar: language decodes join the pipeline's packed step
     compress: CompressConfig = field(default_factory=CompressConfig)  # VL-Cache (language.kv_*)
+    memory_mode: str = "keep"  # plans read memory as cached KV (KEEP) | "full": as text
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # KEEP window t, grouping
 
     def __post_init__(self):
         if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:
             raise ValueError(f"bad engine config: {self}")
         if self.action_mode not in ("flow", "ar"):
             raise ValueError(f"action_mode={self.action_mode!r}: use 'flow' or 'ar'")
+        if self.memory_mode not in MODES:
+            raise ValueError(f"memory_mode={self.memory_mode!r}: use one of {MODES}")
         if self.max_pending < 1 or self.max_cycle_failures < 1:
             raise ValueError(
                 f"max_pending={self.max_pending} and max_cycle_failures="
@@ -163,7 +168,9 @@ class Engine:
             self.queue = ActionQueue(c.action_horizon, self.robot.action_dim, cfg.blend)
             self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
         self.policy = self.loop.policy
-        self.memory = PlanMemory()
+        self.memory = SegmentMemory(cfg.memory, embedder(self.model))
+        self.planner = MemoryPlanner(self.model, self.memory, cfg.memory_mode)
+        self.loop.planner = self.planner
         self.store = CapsuleStore(cfg.store, self.model.device)
         if graph_mode is None:
             graph_mode = default_mode(self.model.device) if cfg.cuda_graphs else "off"
@@ -219,9 +226,12 @@ class Engine:
         """A plan request over the memory as text (see ask)."""
         return self.ask(self.memory.prompt(goal), TaskKind.PLAN)
 
-    def update_memory(self, op: int, key: str, text: str, max_segments: int) -> None:
-        """One memory update (PlanMemory.apply; ValueError leaves the memory unchanged)."""
-        self.memory.apply(op, key, text, max_segments)
+    def update_memory(
+        self, op: int, key: str, text: str, max_segments: int, group: str = ""
+    ) -> None:
+        """One memory update (SegmentMemory.apply; ValueError leaves the memory unchanged).
+        Blocks it invalidates are computed again by the next plan that reads them."""
+        self.memory.apply(op, key, text, max_segments, group)
 
     def _refused(self, request_id: str, kind: TaskKind, reason: str) -> TextEvent:
         return TextEvent(request_id, kind, self.frame, "", "", True, False, Status.REFUSED, reason)

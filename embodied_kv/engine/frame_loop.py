@@ -81,6 +81,7 @@ class FrameLoop:
         self.cost = StepCost(cfg.cost_ema)
         self.counters = LoopCounters()
         self._starved = 0  # cycles in a row that decoded nothing while requests were live
+        self.planner = None  # engine/plan_memory.py MemoryPlanner in `keep` mode
 
     def cycle(self, obs: Observation, frame: int, tick: int) -> CycleResult:
         """Frame `frame`, observed at control tick `tick`: its chunk covers tick.. on."""
@@ -104,7 +105,7 @@ class FrameLoop:
             self.counters.action_late += int(t_action > deadline)
 
             # language tasks of this frame continue from the same prefix (admission.py)
-            events = admit(manager, self.policy, fp, self.model.tokenizer)
+            events = admit(manager, self.policy, fp, self.model.tokenizer, self.planner)
         finally:
             manager.end_frame(fp)  # also when the cycle fails: the frame slot never leaks
 

@@ -1,91 +1,85 @@
-"""The planner's world memory as text segments: part of the session (a capsule carries
-it, `reset` empties it with the rest of the episode).
+"""The planner's memory in the engine: how a plan request reads it.
 
-Each plan re-reads the whole memory as text after the frame's prefix (full
-recomputation): the baseline that memory kept as KV (KEEP, DESIGN §4, kv/memory.py
-when it arrives) is measured against.
+The memory itself (kv/memory.py SegmentMemory) is part of the session: a capsule
+carries its segments, groups and host-tier blocks, `reset` empties it. A plan
+request's text is the memory's prompt (`\\nFacts: s1 s2 ...\\nQuery: goal\\nAnswer: `,
+the world model's trained format). At admission:
+
+* `full`: the text is appended and prefilled whole (full recomputation);
+* `keep`: if the text is still the memory's prompt for its goal, the missing blocks
+  are computed (a free slot as the work slot), then the selective prefill places the
+  blocks and recomputes what KEEP selects; otherwise (the memory changed since the
+  request, or no work slot is free) the text is prefilled whole, as in `full`.
 """
 
 from __future__ import annotations
 
-import enum
-import threading
+from collections.abc import Callable
 
 import torch
 
+from embodied_kv.kv.memory import HEADER, SegmentMemory, piece, query_suffix
+from embodied_kv.kv.memory_kv import compute_block, encode, layout
+from embodied_kv.kv.memory_methods import keep
+from embodied_kv.kv.selectors import KeepConfig
+from embodied_kv.model.vla import VLA
 
-class MemoryOp(enum.IntEnum):  # = MemoryUpdate.OP_*
-    ADD = 0
-    UPDATE = 1
-    REMOVE = 2
+MODES = ("keep", "full")
 
 
-class PlanMemory:
-    """Thread-safe on its own lock: updates arrive on the executor thread while the
-    engine cycle's history snapshot reads it."""
+def embedder(model: VLA) -> Callable[[str], torch.Tensor]:
+    """Text -> the mean of its token embeddings in the backbone's own table [W]."""
 
-    def __init__(self) -> None:
-        self.segments: dict[str, str] = {}  # segment_id -> text, in insertion order
-        self._lock = threading.Lock()
+    @torch.no_grad()
+    def embed(text: str) -> torch.Tensor:
+        ids = torch.tensor(encode(model, text) or [model.tokenizer.eos_id], device=model.device)
+        return model.backbone.embed_tokens(ids).float().mean(0)
 
-    def __len__(self) -> int:
-        return len(self.segments)
+    return embed
 
-    def clear(self) -> None:
-        with self._lock:
-            self.segments = {}
 
-    def apply(self, op: int, key: str, text: str, max_segments: int) -> None:
-        """One update; ValueError (memory unchanged) for an unknown op, an add of an
-        existing key, an update/remove of a missing one, empty text, a full memory."""
-        with self._lock:
-            self._apply(op, key, text, max_segments)
+class MemoryPlanner:
+    def __init__(self, model: VLA, memory: SegmentMemory, mode: str = "keep",
+                 keep_cfg: KeepConfig | None = None):  # fmt: skip
+        if mode not in MODES:
+            raise ValueError(f"memory mode {mode!r}: use one of {MODES}")
+        self.model, self.memory, self.mode = model, memory, mode
+        self.method = keep(keep_cfg)
+        self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot)
 
-    def _apply(self, op: int, key: str, text: str, max_segments: int) -> None:
-        if op not in MemoryOp.__members__.values():
-            raise ValueError(f"unknown operation {op} (use OP_ADD=0, OP_UPDATE=1, OP_REMOVE=2)")
-        op = MemoryOp(op)
-        name = op.name.lower()
-        if not key:
-            raise ValueError(f"{name} without a segment_id")
-        if op is MemoryOp.ADD and key in self.segments:
-            raise ValueError(f"add of segment {key!r}, which exists (use OP_UPDATE)")
-        if op is not MemoryOp.ADD and key not in self.segments:
-            raise ValueError(f"{name} of unknown segment {key!r}")
-        if op is MemoryOp.REMOVE:
-            del self.segments[key]
-            return
-        if not text:
-            raise ValueError(f"segment {key!r}: empty text")
-        if op is MemoryOp.ADD and len(self.segments) >= max_segments:
-            raise ValueError(f"memory is full ({len(self.segments)} segments = max_segments)")
-        self.segments[key] = text
+    def prefill_for(self, arena, text: str) -> Callable[[int], torch.Tensor] | None:
+        """For a plan request's text: a function slot -> logits that prefills it with
+        KEEP, or None (prefill the text whole)."""
+        if self.mode != "keep":
+            return None
+        goal = self._goal(text)
+        if goal is None:
+            self.fallbacks += 1
+            return None
 
-    def prompt(self, goal: str) -> str:
-        """The segments' texts in insertion order as the facts of a memory query, the goal
-        as its query: world/memory.py MemoryQuery.prompt, the format the `world` model
-        was trained on (one fact sentence per segment)."""
-        with self._lock:
-            facts = " ".join(self.segments.values())
-        return f"\nFacts: {facts}\nQuery: {goal}\nAnswer: "
+        def prefill(slot: int) -> torch.Tensor:
+            units = self.memory.units()
+            if any(u.key not in self.memory.blocks for u in units):
+                work = arena.allocate()
+                if work is None:
+                    self.fallbacks += 1
+                    return self.model.append(arena, slot, torch.tensor(encode(self.model, text)))
+                try:
+                    compute = lambda texts: compute_block(self.model, arena, work, texts)  # noqa: E731
+                    self.memory.refresh(compute, units)
+                finally:
+                    arena.release(work)
+            lay = layout(self.model, units, self.memory.blocks, goal)
+            return self.method.prefill(self.model, arena, slot, lay)
 
-    # -- capsule section (kv.capsule.Stateful) ---------------------------------------------
+        return prefill
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def state_meta(self) -> dict:
-        with self._lock:
-            return {"segments": [[k, v] for k, v in self.segments.items()]}
-
-    def check_state(self, tensors: dict, meta: dict) -> None:
-        segs = meta.get("segments")
-        if not isinstance(segs, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
-            for p in segs
-        ):
-            raise ValueError("memory section: segments must be [id, text] pairs")
-
-    def load_state(self, tensors: dict, meta: dict) -> None:
-        with self._lock:
-            self.segments = {k: v for k, v in meta["segments"]}
+    def _goal(self, text: str) -> str | None:
+        """The goal if `text` is the memory's prompt for it now, else None."""
+        body = HEADER + "".join(piece(t) for u in self.memory.units() for t in u.texts)
+        start, end = body + query_suffix(""), query_suffix("x").split("x")[1]
+        head = start[: -len(end)]
+        if not (text.startswith(head) and text.endswith(end)):
+            return None
+        goal = text[len(head) : len(text) - len(end)]
+        return goal if self.memory.prompt(goal) == text else None

@@ -173,13 +173,17 @@ class KVCacheManager:
         suffix_ids: list[int] | None = None,
         generator: torch.Generator | None = None,
         temperature: float = 1.0,
+        prefill=None,
     ) -> Request | None:
         """A request continuing from the frame's prefix, plus `suffix_ids` (a question).
 
         The first request of a frame adopts the frame's slot; later ones get a free slot
         with a byte copy. None when no slot is free (the caller defers or skips it: a
         request never takes a slot from another one). ValueError when the prompt and
-        the token budget do not fit the slot: a prompt is never cut."""
+        the token budget do not fit the slot: a prompt is never cut.
+
+        `prefill(slot) -> logits [V]` appends the suffix itself (a KEEP plan over cached
+        memory KV) instead of the next decode step; if it raises, the slot is as before."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already live")
         if max_new_tokens < 1:
@@ -201,7 +205,18 @@ class KVCacheManager:
             self._compress(fp)  # a language request decodes over the compressed prefix
         req = Request(request_id, kind, fp.frame, slot, max_new_tokens, [])
         req.generator, req.temperature = generator, temperature
-        if suffix:
+        if prefill is not None:
+            try:
+                logits = prefill(slot)
+            except BaseException:
+                if slot == fp.slot:
+                    fp.adopted = False
+                    self.arena.truncate(slot, fp.prefix_len)
+                else:
+                    self.arena.release(slot)
+                raise
+            self._accept(req, self._pick([req], logits[None])[0])
+        elif suffix:
             req.pending = suffix
         else:
             self._accept(req, self._pick([req], fp.logits[None])[0])

@@ -46,31 +46,49 @@ class GemmaBackbone(nn.Module):
         per layer after the layer's K/V are written (VL-Cache's statistics, kv/compress.py)."""
         assert x.shape[0] == step.n_padded
         cos_sin = self.rope.at(step.position)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x))
-            q, k = self.rope.rotate(q, cos_sin), self.rope.rotate(k, cos_sin)
-            k_cache, v_cache = arena.k[i], arena.v[i]
-            k_cache[step.slot, step.row[i]] = k.to(k_cache.dtype)
-            v_cache[step.slot, step.row[i]] = v.to(v_cache.dtype)
-            if observer is not None:
-                observer(i, q, k_cache)
-            if step.runs is None:
-                o = graph_attention(q, k_cache, v_cache, step.slot, step.kv_len[i], self.scale)
-            else:
-                o = packed_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    step.slot,
-                    step.kv_len[i],
-                    self.scale,
-                    step.runs,
-                    step.kv_len_host[i],
-                )
-            x = x + attn.o_proj(o.reshape(x.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for i in range(len(self.layers)):
+            x, _ = self.layer_forward(i, x, cos_sin, step, arena, observer)
         return self.norm(x)
+
+    def layer_forward(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        step: PackedStep,
+        arena: KVArena,
+        observer=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i of a packed step: x [Np, W] -> (x [Np, W], q [Np, Hq, D] after RoPE).
+
+        Writes the tokens' K/V into their rows of layer i first. The selective prefill of
+        planner memory (kv/recompute.py) runs layers one by one on shrinking token sets
+        through this same function, so its full-set case is this forward in bytes."""
+        layer = self.layers[i]
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(x))
+        q, k = self.rope.rotate(q, cos_sin), self.rope.rotate(k, cos_sin)
+        k_cache, v_cache = arena.k[i], arena.v[i]
+        k_cache[step.slot, step.row[i]] = k.to(k_cache.dtype)
+        v_cache[step.slot, step.row[i]] = v.to(v_cache.dtype)
+        if observer is not None:  # VL-Cache statistics (kv/compress.py)
+            observer(i, q, k_cache)
+        if step.runs is None:
+            o = graph_attention(q, k_cache, v_cache, step.slot, step.kv_len[i], self.scale)
+        else:
+            o = packed_attention(
+                q,
+                k_cache,
+                v_cache,
+                step.slot,
+                step.kv_len[i],
+                self.scale,
+                step.runs,
+                step.kv_len_host[i],
+            )
+        x = x + attn.o_proj(o.reshape(x.shape[0], -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x, q
 
     def logits(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Tied LM head on the rows `index` ([R] int64, on hidden's device) of hidden

@@ -69,6 +69,14 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
         },
     )
 
+    memory = engine.memory.summary()
+    sections["planner memory"] = (
+        DiagnosticStatus.OK,
+        f"{memory['segments']} segments, {memory['static_groups']}/{memory['groups']} groups "
+        f"static ({cfg.memory_mode})",
+        {**memory, "mode": cfg.memory_mode, "keep_fallbacks": engine.planner.fallbacks},
+    )
+
     store = engine.store
     tiers = store.bytes_by_tier()
     sections["capsules"] = (

@@ -16,6 +16,7 @@ from typing import Any
 from embodied_kv.engine.engine import EngineConfig
 from embodied_kv.kv.capsule_store import StoreConfig
 from embodied_kv.kv.compress import CompressConfig
+from embodied_kv.kv.memory import MemoryConfig
 from embodied_kv.model.action_tokens import ActionTokenConfig
 from embodied_kv.model.robot_loader import RobotSpec
 
@@ -89,7 +90,13 @@ ACTION_MODE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("ar.fast_vocab", 1024, "ar fast: BPE vocabulary when trained here"),
     ParamSpec("ar.unified", True, "ar: language decodes join the pipeline's packed step"),
 )
-ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS
+# The planner's memory (README, KEEP): cached KV with selective recomputation, or text.
+MEMORY_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("memory.mode", "keep", "keep (memory as cached KV, KEEP) | full (as text)"),
+    ParamSpec("memory.window", 10, "KEEP t: updates without a change before a group is static"),
+    ParamSpec("memory.group_threshold", 0.9, "cosine to join a group when none is given"),
+)
+ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS + MEMORY_PARAMS
 
 
 def engine_config(get: Callable[[str], Any]) -> EngineConfig:
@@ -146,6 +153,11 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
             budget=_float(get, "language.kv_budget"),
             method=_str(get, "language.kv_method"),
             compress_expert=_bool(get, "language.kv_compress_expert"),
+        ),
+        memory_mode=_str(get, "memory.mode"),
+        memory=MemoryConfig(
+            window=_int(get, "memory.window"),
+            group_threshold=_float(get, "memory.group_threshold"),
         ),
     )
 

@@ -1,11 +1,13 @@
 """The `memory_planner` node: world memory in, plans out.
 
 Memory updates from `memory/update` (own MemoryUpdate: add / update / remove by
-segment_id) change the engine's planner memory (engine/plan_memory.py: part of the
-session, so a capsule carries it and `reset` empties it). A `plan_request`
-(std_msgs/String: the goal) becomes a plan request `plan-<n>@<epoch>` whose prompt is
-the whole memory as text followed by the goal; the backbone decodes it from a later
-frame's prefix and the text streams as TextChunk on `plan`. A plan whose prompt
+segment_id, an optional group) change the engine's planner memory (kv/memory.py: part
+of the session, so a capsule carries it and `reset` empties it). A `plan_request`
+(std_msgs/String: the goal) becomes a plan request `plan-<n>@<epoch>` over the whole
+memory (`\nFacts: ...\nQuery: <goal>\nAnswer: `); with `memory.mode: keep` (the
+default) the memory comes as cached KV with KEEP's selective recomputation, with
+`full` it is prefilled as text. The backbone decodes it from a later frame's prefix
+and the text streams as TextChunk on `plan`. A plan whose prompt
 cannot fit a KV slot whole is refused (one done chunk, STATUS_REFUSED, the reason),
 never cut. Every string is checked against its limit before it is used; a rejected
 one is logged as a short excerpt and counted.
@@ -64,12 +66,15 @@ class MemoryPlannerNode(EmbodiedNode):
             return
         keep = "; memory unchanged"
         for what, text, param in (("segment_id", msg.segment_id, "max_segment_id_chars"),
-                                  ("segment text", msg.text, "max_segment_chars")):  # fmt: skip
+                                  ("segment text", msg.text, "max_segment_chars"),
+                                  ("group", msg.group, "max_segment_id_chars")):  # fmt: skip
             if self.too_long("memory/update", what, text, param, keep):
                 return
-        key, text = msg.segment_id.strip(), msg.text.strip()
+        key, text, group = msg.segment_id.strip(), msg.text.strip(), msg.group.strip()
         try:
-            self.engine.update_memory(msg.operation, key, text, self.param("max_segments"))
+            self.engine.update_memory(
+                msg.operation, key, text, self.param("max_segments"), group
+            )
         except ValueError as e:
             self.reject("memory/update", f"{e}; memory unchanged")
 

@@ -212,7 +212,7 @@ def test_reset_empties_memory_and_pending_and_capsules_carry_them(tiny_model, tm
     assert engine.memory.segments == {} and engine.policy.pending() == []
     assert engine.manager.requests == {} and engine.manager.counters.tokens >= tokens
     engine.restore("full")
-    assert engine.memory.segments == {"cup": "on the shelf"}
+    assert {k: s.text for k, s in engine.memory.segments.items()} == {"cup": "on the shelf"}
     assert [t.request_id for t in engine.policy.pending()] == pending
     assert engine.policy.state_meta()["next"] == counters
     assert engine.instruction == "pick up the red block" and engine._obs is not None

@@ -43,6 +43,7 @@ def make_memory_update() -> dict:
         "segment_id": "object/red_cup",
         "operation": MemoryUpdate.OP_REMOVE,
         "text": "red cup on the left shelf",
+        "group": "object/red_cup",
     }
 
 

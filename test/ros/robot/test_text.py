@@ -63,3 +63,11 @@ def test_plan_request_decodes_a_plan_from_the_memory(robot):
         ),
         "the plan request's log line",
     )
+
+    def memory_kv():  # KEEP by default: the plan read the memory as cached blocks
+        status = {s.name: {kv.key: kv.value for kv in s.values}
+                  for s in robot.diagnostics.status} if robot.diagnostics else {}  # fmt: skip
+        memory = status.get("embodied_kv: planner memory", {})
+        return memory if memory.get("mode") == "keep" and int(memory["blocks"]) >= 1 else None
+
+    robot.wait_until(memory_kv, "the planner memory's blocks on /diagnostics")

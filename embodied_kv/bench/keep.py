@@ -1,0 +1,243 @@
+"""`embodied-kv bench keep`: KEEP against its baselines on plans over memory as KV.
+
+Plan requests over a memory of N fact segments (10, 20, 30, 40) with memory updates
+between them: TTFT, answer accuracy and fidelity of KEEP and its baselines, all in one
+run over the same frame, memory and queries. Without weights, `--preset tiny` is the
+`world` model with random weights and `--preset pi05` random pi05 (speed only).
+
+Per N: a world stream of N facts (bench/keep_stream.py) goes into two memories fed the
+same updates: KEEP's (static/dynamic groups, window t) and a chunk cache (one block
+per segment: full reuse, CacheBlend, the no-static ablation). A frame's prefix
+(world cameras + instruction) is prefilled once; every request copies it into a slot
+and the method appends header + memory + query (kv/memory_methods.py):
+
+    ttft_ms      prefill of the plan prompt (cached KV placed, recomputation) to the
+                 first token, the memory's blocks already refreshed
+    compute_share  prompt token-layers computed / full recomputation's (device-free)
+    refresh_ms   computing the blocks the updates before this request invalidated
+                 (off the request's path on a robot: when an update arrives)
+    one_hop, two_hop   answer accuracy (the decoded word before EOS)
+    agree        share of the first 32 greedy tokens equal to full recomputation's
+
+The trained world model (`--weights`, default the shipped one when present) gives
+the accuracy rows; random weights measure speed only. The model is trained on streams
+of about 4..16 facts: rows at 30 and 40 are beyond that, reported as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embodied_kv.bench import harness
+from embodied_kv.bench.keep_stream import Stream
+from embodied_kv.bench.report import print_table
+from embodied_kv.kernels.packed_attention import KEY_BLOCK
+from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory
+from embodied_kv.kv.memory_kv import compute_block, layout
+from embodied_kv.kv.memory_methods import PrefixCaching, methods
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.vla import Observation, build_model
+from embodied_kv.timing import device_clock, elapsed_ms
+
+SHIPPED = Path(__file__).resolve().parents[1] / "data" / "world" / "weights.safetensors"
+SEGMENTS = (10, 20, 30, 40)
+AGREE_TOKENS = 32  # greedy tokens compared with full recomputation
+WARM_UPDATES = 12  # > the window t = 10: groups the updates spare are static at the start
+ACCURACY_POINTS = 3.0  # acceptance: KEEP's two-hop within this many points of full
+
+
+def load(args) -> tuple:
+    """-> (model, what the weights are)."""
+    if args.weights:
+        from embodied_kv.train.trained import load_trained
+
+        return load_trained(args.weights, device=args.device), args.weights
+    if args.preset == "pi05":
+        return build_model(get_preset("pi05"), args.device), "random pi05"
+    import tempfile
+
+    from embodied_kv.train.tokenizer import save_tokenizer
+    from embodied_kv.train.trained import TOKENIZER_FILE, world_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = save_tokenizer(Path(tmp) / TOKENIZER_FILE)
+        return build_model(world_config(), args.device, tokenizer_path=str(tok)), "random world"
+
+
+def frame_prefix(model, seed: int):
+    """A world frame (cameras + instruction + state) as the model embeds it."""
+    from embodied_kv.world.render import observation_images
+    from embodied_kv.world.scene import make_scene
+
+    scene = make_scene(np.random.default_rng(seed))
+    size = model.cfg.vision.image_size
+    images = torch.from_numpy(observation_images(scene, size))
+    if images.shape[0] != model.cfg.num_cameras or images.shape[-1] != size:
+        images = torch.zeros(model.cfg.num_cameras, 3, size, size)
+    return model.embed_prefix(Observation(images, scene.state(), "put the red block in the box"))
+
+
+def greedy(model, arena, slot, logits, n: int) -> list[int]:
+    tok, out = logits.argmax().view(1), []
+    for i in range(n):
+        out.append(int(tok))
+        if i + 1 < n:
+            tok = model.decode(arena, [slot], tok)[0].argmax().view(1)
+    return out
+
+
+def answer(model, tokens: list[int]) -> str:
+    eos = model.tokenizer.eos_id
+    cut = tokens.index(eos) if eos in tokens else len(tokens)
+    return model.tokenizer.decode(tokens[:cut]).strip()
+
+
+def run_segments(model, n: int, args, device: str) -> dict:
+    """Every method over one stream of n segments -> per-method samples."""
+    stream = Stream.make(n, args.seed + n)
+    grouped = SegmentMemory(MemoryConfig(window=args.window))
+    chunks = SegmentMemory(MemoryConfig(window=args.window, static_groups=False))
+    for key, text, group in stream.segments():
+        for mem in (grouped, chunks):
+            mem.apply(MemoryOp.ADD, key, text, n, group)
+    prefix = frame_prefix(model, args.seed)
+    budget = prefix.embeds.shape[0] + 16 * n + 64 + AGREE_TOKENS
+    arena = model.new_arena(5, -(-budget // KEY_BLOCK) * KEY_BLOCK)
+    frame, work, cache = (arena.allocate() for _ in range(3))
+    model.prefill(arena, frame, prefix)
+    family = methods(cache)
+    compute = lambda texts: compute_block(model, arena, work, texts)  # noqa: E731
+    clock = device_clock(device)
+    out = {m.name: {"ttft": [], "one_hop": [], "two_hop": [], "agree": [], "active": [],
+                    "share": []} for m in family}  # fmt: skip
+    refresh = {"grouped": [], "chunks": []}
+    for _ in range(WARM_UPDATES):
+        update(stream, grouped, chunks, n)
+    for r in range(args.requests):
+        for _ in range(args.updates):
+            update(stream, grouped, chunks, n)
+        for name, mem in (("grouped", grouped), ("chunks", chunks)):
+            t = clock()
+            mem.refresh(compute)
+            refresh[name].append(elapsed_ms(t, clock))
+        hops = 1 + r % 2
+        texts = [t for u in grouped.units() for t in u.texts]
+        query, truth = stream.query(hops, texts)
+        lays = {True: layout(model, grouped.units(), grouped.blocks, query),
+                False: layout(model, chunks.units(), chunks.blocks, query)}  # fmt: skip
+        assert lays[True].ids == lays[False].ids  # the same prompt: groups fix the order
+        order = family[r % len(family) :] + family[: r % len(family)]
+        results = {}
+        for m in order:
+            lay = lays[m.grouped] if m.cached else lays[True]
+            slot = arena.allocate()
+            arena.copy_slot(frame, slot)
+            t = clock()
+            logits = m.prefill(model, arena, slot, lay, frame)
+            first = int(logits.argmax())
+            ms = elapsed_ms(t, clock)
+            tokens = greedy(model, arena, slot, logits, AGREE_TOKENS)
+            assert tokens[0] == first
+            if isinstance(m, PrefixCaching):
+                arena.truncate(slot, prefix.embeds.shape[0] + lay.n)
+                m.remember(arena, slot, lay, frame)
+            arena.release(slot)
+            stats = getattr(m, "stats", None)
+            computed = lay.n - getattr(m, "reused", 0)  # token-layers: n per layer, or fewer
+            share = sum(stats.active) / (len(stats.active) * lay.n) if stats else computed / lay.n
+            results[m.name] = (ms, tokens, stats, share)
+        reference = results["full"][1]
+        for name, (ms, tokens, stats, share) in results.items():
+            row = out[name]
+            row["ttft"].append(ms)
+            row["share"].append(share)
+            row["one_hop" if hops == 1 else "two_hop"].append(answer(model, tokens) == truth)
+            same = [a == b for a, b in zip(tokens, reference, strict=True)]
+            row["agree"].append(float(np.mean(same)))
+            if stats is not None:
+                row["active"].append(stats.active)
+    return {"methods": out, "refresh": refresh, "static_groups": sum(
+        u.key.startswith("group:") for u in grouped.units()), "groups": len(grouped.groups),
+        "counters": vars(grouped.counters)}  # fmt: skip
+
+
+def update(stream: Stream, grouped: SegmentMemory, chunks: SegmentMemory, n: int) -> None:
+    key, text, group = stream.update()
+    for mem in (grouped, chunks):
+        mem.apply(MemoryOp.UPDATE, key, text, n, group)
+
+
+def summarise(n: int, raw: dict) -> list[dict]:
+    full = raw["methods"]["full"]["ttft"]
+    rows = []
+    for name, s in raw["methods"].items():
+        blocks = "grouped" if name.startswith("keep") and name != "keep-no-static" else "chunks"
+        refresh = raw["refresh"][blocks] if name not in ("full", "prefix") else []
+        active = np.mean(s["active"], axis=0).round(1).tolist() if s["active"] else []
+        rows.append({
+            "segments": n,
+            "method": name,
+            "ttft_ms": statistics.median(s["ttft"]),
+            "speedup_vs_full": harness.ratio(full, s["ttft"]),
+            "refresh_ms": statistics.median(refresh) if refresh else 0.0,
+            "one_hop": float(np.mean(s["one_hop"])) if s["one_hop"] else float("nan"),
+            "two_hop": float(np.mean(s["two_hop"])) if s["two_hop"] else float("nan"),
+            "agree": float(np.mean(s["agree"])),
+            "compute_share": float(np.mean(s["share"])),  # token-layers computed / full's
+            "active_per_layer": active,
+        })  # fmt: skip
+    return rows
+
+
+def verdict(rows: list[dict], trained: bool) -> str:
+    top = max(r["segments"] for r in rows)
+    at = {r["method"]: r for r in rows if r["segments"] == top}
+    k, f = at["keep"], at["full"]
+    speed = f"TTFT keep vs full at {top} segments: {k['speedup_vs_full']:.2f}x (goal >= 3x on GPU)"
+    if not trained:
+        return f"verdict: random weights, accuracy not meaningful; {speed}"
+    close = abs(k["two_hop"] - f["two_hop"]) * 100 <= ACCURACY_POINTS
+    above = k["two_hop"] > at["reuse"]["two_hop"] and k["two_hop"] > at["cacheblend"]["two_hop"]
+    ok = "PASS" if close and above else "FAIL"
+    return (f"verdict: {ok}: two-hop at {top} segments keep {k['two_hop']:.3f} vs full "
+            f"{f['two_hop']:.3f} (within {ACCURACY_POINTS:.0f} points: {close}), reuse "
+            f"{at['reuse']['two_hop']:.3f}, cacheblend {at['cacheblend']['two_hop']:.3f} "
+            f"(keep above both: {above}); {speed}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="embodied-kv bench keep", description=__doc__.split("\n")[0])
+    harness.add_common_args(p)
+    p.add_argument("--weights", default=str(SHIPPED) if SHIPPED.is_file() else "",
+                   help="trained world weights (tokenizer.json beside); default: the shipped "
+                   "ones when present, else random weights (speed only)")  # fmt: skip
+    p.add_argument("--segments", default=",".join(map(str, SEGMENTS)))
+    p.add_argument("--requests", type=int, default=40, help="plan requests per segment count")
+    p.add_argument("--updates", type=int, default=2, help="memory updates before each request")
+    p.add_argument("--window", type=int, default=10, help="KEEP t")
+    p.add_argument("--seed", type=int, default=0)
+    args = harness.parse(p, argv)
+    if args.quick:
+        args.requests = min(args.requests, 4)
+    env = harness.Environment.start(args, argv)
+    model, what = load(args)
+    rows, extra = [], {}
+    for n in [int(x) for x in args.segments.split(",")]:
+        raw = run_segments(model, n, args, args.device)
+        rows += summarise(n, raw)
+        extra[str(n)] = {k: raw[k] for k in ("static_groups", "groups", "counters")}
+    keys = ["ttft_ms", "speedup_vs_full", "compute_share", "refresh_ms", "one_hop", "two_hop",
+            "agree"]  # fmt: skip
+    print_table(["N", "method", *keys], [[r["segments"], r["method"], *[r[k] for k in keys]]
+                                         for r in rows])  # fmt: skip
+    line = verdict(rows, bool(args.weights))
+    print(line)
+    result = {"benchmark": "keep", "weights": what, "rows": rows, "memory": extra,
+              "requests": args.requests, "verdict": line}  # fmt: skip
+    harness.finish(result, env, args.json)
+    return 0

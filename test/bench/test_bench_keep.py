@@ -1,0 +1,42 @@
+import json
+
+from embodied_kv.bench.keep import main
+from embodied_kv.bench.keep_stream import Stream, answers, parse, shape
+
+METHODS = ["full", "prefix", "reuse", "cacheblend", "keep", "keep-no-static", "keep-one-hop",
+           "keep-no-balance"]  # fmt: skip
+
+
+def test_keep_bench_rows_are_complete_and_the_exact_methods_agree(tmp_path, capsys):
+    out = tmp_path / "keep.json"
+    argv = ["--quick", "--segments", "10,20", "--requests", "2", "--weights", ""]
+    argv += ["--json", str(out)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["benchmark"] == "keep" and r["weights"] == "random world" and r["device"]
+    assert [(row["segments"], row["method"]) for row in r["rows"]] == [
+        (n, m) for n in (10, 20) for m in METHODS
+    ]
+    for row in r["rows"]:
+        assert row["ttft_ms"] > 0 and row["speedup_vs_full"] > 0 and 0 <= row["agree"] <= 1
+        assert 0 < row["compute_share"] <= 1
+        if row["method"] in ("full", "prefix"):  # exact: the same tokens as full recomputation
+            assert row["agree"] == 1.0
+        if row["method"].startswith("keep"):
+            active = row["active_per_layer"]
+            assert active == sorted(active, reverse=True) and active[0] > active[-1]
+    assert r["memory"]["20"]["static_groups"] >= 1  # the spared groups turned static
+    assert "verdict: random weights" in r["verdict"] and r["verdict"] in capsys.readouterr().out
+
+
+def test_streams_keep_their_size_and_answers_follow_the_latest_fact():
+    stream = Stream.make(40, 3)
+    assert sum(shape(40)) == 40 == len(stream.facts)
+    for _ in range(30):
+        key, text, group = stream.update()
+        assert stream.facts[int(key.split("/")[1])] == text and parse(text)[0] == group
+    place, holder = answers(["the red box is on the shelf .", "the blue key is in the red box .",
+                             "the red box is on the sink ."])  # fmt: skip
+    assert place == {"red box": "sink"} and holder == {"blue key": "red box"}
+    query, truth = stream.query(2, stream.facts)
+    assert query.startswith("where is the ") and truth

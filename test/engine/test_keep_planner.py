@@ -1,0 +1,94 @@
+"""The engine's planner memory as KV (KEEP) in the control loop: the same plan as full
+recomputation when KEEP recomputes everything, and the memory (segments, groups, host-tier
+blocks) inside the session's capsules."""
+
+import torch
+
+from embodied_kv.engine.engine import EPISODE_START, Engine, EngineConfig
+from embodied_kv.kv.manager import Status
+from embodied_kv.kv.memory import MemoryConfig, MemoryOp
+from embodied_kv.kv.memory_methods import keep
+from embodied_kv.kv.selectors import KeepConfig
+from embodied_kv.model.synthetic import synthetic_observation
+
+FACTS = [
+    ("red", "the red box is on the shelf ."),
+    ("key", "the blue key is in the red box ."),
+    ("red2", "the red box is open ."),
+    ("bowl", "the green bowl is on the table ."),
+]
+
+
+def make_engine(model, mode="keep", **kw):
+    cfg = EngineConfig(control_hz=0.001, answer_tokens=6, history=0, request_tokens=256,
+                       memory_mode=mode, memory=MemoryConfig(window=3), **kw)  # fmt: skip
+    engine = Engine(cfg, model=model)
+    engine.begin_episode()
+    for key, text in FACTS:
+        engine.update_memory(MemoryOp.ADD, key, text, 16, group=text.split()[2])
+    return engine
+
+
+def plan(engine, goal="where is the blue key ?"):
+    """One plan request through the control loop -> its final event."""
+    request_id, refused = engine.plan(goal)
+    assert refused is None
+    for _ in range(6):
+        engine.observe(synthetic_observation(engine.model.cfg, 0, "tidy up"))
+        for ev in engine.cycle(5 * engine.frame).events:
+            if ev.request_id == request_id and ev.done:
+                return ev
+    raise AssertionError("the plan did not finish")
+
+
+def test_keep_recomputing_everything_plans_the_same_tokens_as_full(tiny_model):
+    full = make_engine(tiny_model, "full")
+    everything = make_engine(tiny_model)
+    everything.planner.method = keep(KeepConfig(ratios=(1.0,) * tiny_model.cfg.backbone.layers))
+    a, b = plan(full), plan(everything)
+    assert a.status is b.status is Status.OK and a.text == b.text
+    assert everything.planner.fallbacks == 0 and everything.memory.blocks  # read as KV
+
+
+def test_default_keep_plans_from_cached_blocks_after_updates(tiny_model):
+    engine = make_engine(tiny_model)
+    assert plan(engine).status is Status.OK
+    made = engine.memory.counters.computed_segments
+    assert made == len(FACTS)
+    engine.update_memory(MemoryOp.UPDATE, "bowl", "the green bowl is on the sink .", 16)
+    assert plan(engine).status is Status.OK
+    assert engine.memory.counters.computed_segments == made + 1  # only the updated one
+    assert engine.planner.fallbacks == 0
+
+
+def test_memory_and_its_kv_are_session_state(tiny_model):
+    engine = make_engine(tiny_model)
+    for i in range(3):  # group "box" reaches the window: a joint block next plan
+        engine.update_memory(MemoryOp.UPDATE, "bowl", f"the green bowl is on the {i} .", 16)
+    plan(engine)
+    assert "group:box" in engine.memory.blocks
+    meta = engine.memory.state_meta()
+    saved = {k: (b.k.clone(), b.v.clone()) for k, b in engine.memory.blocks.items()}
+    engine.snapshot("planned", "host")
+    engine.update_memory(MemoryOp.UPDATE, "key", "the blue key is in the green bowl .", 16)
+    engine.update_memory(MemoryOp.REMOVE, "red2", "", 16)
+    plan(engine)
+    assert engine.memory.state_meta() != meta
+    engine.restore("planned")
+    assert engine.memory.state_meta() == meta
+    assert set(engine.memory.blocks) == set(saved)
+    for key, (k, v) in saved.items():
+        assert torch.equal(engine.memory.blocks[key].k, k)
+        assert torch.equal(engine.memory.blocks[key].v, v)
+    engine.reset(EPISODE_START)
+    assert len(engine.memory) == 0 and not engine.memory.blocks and engine.memory.clock == 0
+
+
+def test_a_plan_whose_memory_changed_before_admission_is_prefilled_as_text(tiny_model):
+    engine = make_engine(tiny_model)
+    request_id, _ = engine.plan("where is the red box ?")
+    engine.update_memory(MemoryOp.UPDATE, "red", "the red box is on the sink .", 16)
+    engine.observe(synthetic_observation(engine.model.cfg, 0, "tidy up"))
+    done = {e.request_id: e for e in engine.cycle(0).events if e.done}
+    assert engine.planner.fallbacks == 1 and done[request_id].status is Status.OK
+    assert not engine.memory.blocks  # nothing computed for a prompt that is not the memory's

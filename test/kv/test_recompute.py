@@ -1,0 +1,175 @@
+"""Cached memory KV placed in a plan prompt: re-rotation, selective recomputation and the
+baselines, against full recomputation over the same token ids."""
+
+import pytest
+import torch
+
+from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory
+from embodied_kv.kv.memory_kv import compute_block, encode, layout, rerotate
+from embodied_kv.kv.memory_methods import FullRecompute, PrefixCaching, Selective, keep, methods
+from embodied_kv.kv.selectors import CacheBlendSelector, FixedSelector, KeepConfig
+from embodied_kv.model.vla import StepInput
+
+FACTS = ["the red box is on the shelf .", "the blue key is in the red box .",
+         "the green bowl is on the table .", "the red box is open .",
+         "the yellow ball is in the green bowl .", "the green bowl is closed ."]  # fmt: skip
+GOAL = "where is the blue key ?"
+ROPE_TOL = 2e-5  # fp32 rounding of two rotations vs one, relative to |k|
+
+
+class Rig:
+    """A frame prefix in one slot, a work slot for blocks, slots for requests."""
+
+    def __init__(self, model, window=2):
+        self.model = model
+        self.arena = model.new_arena(5, 256)
+        self.frame, self.work, self.cache = (self.arena.allocate() for _ in range(3))
+        g = torch.Generator().manual_seed(0)
+        prefix = torch.randn(24, model.cfg.backbone.width, generator=g)
+        model.step(self.arena, [StepInput(self.frame, embeds=prefix, causal=False)])
+        self.memory = SegmentMemory(MemoryConfig(window=window))
+        for i, f in enumerate(FACTS):
+            self.memory.apply(MemoryOp.ADD, f"f{i}", f, 64, group=" ".join(f.split()[1:3]))
+        self.memory.apply(MemoryOp.UPDATE, "f5", "the green bowl is open .", 64)
+        self.memory.apply(MemoryOp.UPDATE, "f5", "the green bowl is closed .", 64)
+        self.refresh()
+
+    def refresh(self):
+        self.memory.refresh(lambda t: compute_block(self.model, self.arena, self.work, t))
+
+    def layout(self, goal=GOAL):
+        return layout(self.model, self.memory.units(), self.memory.blocks, goal)
+
+    def run(self, method, lay=None, frame=0):
+        """-> (logits, the request slot's K and V rows) of one plan request."""
+        slot = self.arena.allocate()
+        self.arena.copy_slot(self.frame, slot)
+        lay = lay or self.layout()
+        logits = method.prefill(self.model, self.arena, slot, lay, frame)
+        n = self.arena.slot_len(slot)
+        out = logits, self.arena.k[:, slot, :n].clone(), self.arena.v[:, slot, :n].clone()
+        if isinstance(method, PrefixCaching):
+            method.remember(self.arena, slot, lay, frame)
+        self.arena.release(slot)
+        return out
+
+
+@pytest.mark.parametrize("delta", [37, -5])
+def test_a_rerotated_cached_segment_equals_the_segment_prefilled_at_its_new_offset(
+    world_model, delta
+):
+    arena = world_model.new_arena(2, 128)
+    ids = torch.tensor(encode(world_model, "\nFacts: the red box is on the shelf ."))
+    a, b = arena.allocate(), arena.allocate()
+    arena.next_pos[a] = 10
+    arena.next_pos[b] = 10 + delta
+    for s in (a, b):
+        world_model.step(arena, [StepInput(s, ids=ids)])
+    n, rope = len(ids), world_model.backbone.rope
+    for layer in range(arena.spec.num_layers):
+        moved = rerotate(rope, arena.k[layer, a, :n], torch.full((n,), delta))
+        fresh = arena.k[layer, b, :n]
+        scale = fresh.abs().max()
+        assert (moved - fresh).abs().max() <= ROPE_TOL * scale
+        assert (arena.v[layer, a, :n] - arena.v[layer, b, :n]).abs().max() <= ROPE_TOL * scale
+    assert not torch.equal(arena.k[1, a, :n], arena.k[1, b, :n])  # the offset did matter
+
+
+def test_keep_at_ratio_one_everywhere_is_full_recomputation_in_bytes(world_model):
+    rig = Rig(world_model)
+    assert any(u.key.startswith("group:") for u in rig.memory.units())  # a joint block too
+    full = rig.run(FullRecompute())
+    everything = keep(KeepConfig(ratios=(1.0,) * world_model.cfg.backbone.layers))
+    got = rig.run(everything)
+    for x, y in zip(got, full, strict=True):
+        assert torch.equal(x, y)
+    assert everything.stats.active == [rig.layout().n] * world_model.cfg.backbone.layers
+
+
+def test_keep_recomputes_whole_segments_fewer_with_depth(world_model):
+    rig = Rig(world_model)
+    lay = rig.layout()
+    method = keep(KeepConfig(first_ratio=0.5, last_ratio=0.2))
+    rig.run(method, lay)
+    fixed, spans = len(lay.fixed()), [n for _, n in lay.segments()]
+    active = method.stats.active
+    assert active[0] == lay.n and active == sorted(active, reverse=True) and active[-1] > fixed
+    for count in active[1:]:  # header + query + a set of whole segments
+        extra = count - fixed
+        sums = {0}
+        for n in spans:
+            sums |= {s + n for s in sums}
+        assert extra in sums
+
+
+def test_multi_hop_selection_is_a_fixed_point_and_one_hop_is_the_query_alone(world_model):
+    from embodied_kv.kv import selectors
+
+    rig = Rig(world_model)
+    lay = rig.layout()
+    seen = {}
+
+    class Spy(selectors.KeepSelector):
+        def _multi_hop(self, view, lay, spans, cand, k):
+            chosen = super()._multi_hop(view, lay, spans, cand, k)
+            seen.setdefault(self.cfg.hops, []).append((view, cand, k, chosen))
+            return chosen
+
+    for hops in (0, 50):
+        rig.run(Selective(f"h{hops}", True, lambda n, h=hops: Spy(KeepConfig(hops=h), n)), lay)
+    for view, cand, k, chosen in seen[50]:
+        row = {t: j for j, t in enumerate(view.tokens)}
+        query = [row[t] for t in range(lay.query_start, lay.n)]
+        cs = [lay.segments()[c] for c in cand]
+        q_mass = selectors.attention_mass(view, query, cs).mean(0)
+        last = [row[a + n - 1] for j, (a, n) in enumerate(cs) if cand[j] in chosen]
+        score = q_mass + selectors.attention_mass(view, last, cs).mean(0)
+        assert {cand[j] for j in selectors._top(score, k)} == chosen  # stable under re-scoring
+    for view, cand, k, chosen in seen[0]:
+        row = {t: j for j, t in enumerate(view.tokens)}
+        query = [row[t] for t in range(lay.query_start, lay.n)]
+        q_mass = selectors.attention_mass(view, query, [lay.segments()[c] for c in cand]).mean(0)
+        assert {cand[j] for j in selectors._top(q_mass, k)} == chosen
+
+
+def test_full_reuse_computes_only_header_and_query_and_cacheblend_a_share(world_model):
+    rig = Rig(world_model)
+    lay = rig.layout()
+    reuse = Selective("reuse", False, lambda n: FixedSelector())
+    blend = Selective("cacheblend", False, lambda n: CacheBlendSelector(0.15))
+    rig.run(reuse, lay)
+    rig.run(blend, lay)
+    fixed = len(lay.fixed())
+    memory_tokens = lay.n - fixed
+    assert reuse.stats.active == [fixed] * 4
+    assert blend.stats.active == [lay.n] + [fixed + -(-memory_tokens * 15 // 100)] * 3
+
+
+def test_prefix_caching_reuses_the_unchanged_prefix_and_stays_exact(world_model):
+    rig = Rig(world_model)
+    prefix, full = PrefixCaching(rig.cache), FullRecompute()
+    rig.run(prefix, frame=7)
+    assert prefix.reused == 0
+    before = prefix.ids
+    rig.memory.apply(MemoryOp.UPDATE, "f4", "the yellow ball is in the red box .", 64)
+    rig.refresh()
+    lay = rig.layout("where is the yellow ball ?")
+    got, want = rig.run(prefix, lay, frame=7), rig.run(full, lay, frame=7)
+    seg = next(p for p in lay.placed if "f4" in p.unit.segments)
+    first_new = next(i for i, (a, b) in enumerate(zip(before, lay.ids, strict=False)) if a != b)
+    assert prefix.reused == first_new and seg.start <= first_new < seg.start + seg.n
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    rig.run(prefix, lay, frame=8)  # another frame's prefix: nothing is reused
+    assert prefix.reused == 0
+
+
+def test_every_method_fills_the_same_rows_and_the_family_is_complete(world_model):
+    rig = Rig(world_model)
+    lay = rig.layout()
+    names = []
+    for m in methods(rig.cache):
+        logits, k, _ = rig.run(m, lay)
+        assert logits.shape == (world_model.cfg.vocab_size,) and k.shape[1] == 24 + lay.n
+        names.append(m.name)
+    assert names == ["full", "prefix", "reuse", "cacheblend", "keep", "keep-no-static",
+                     "keep-one-hop", "keep-no-balance"]  # fmt: skip
