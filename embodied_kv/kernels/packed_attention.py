@@ -28,6 +28,8 @@ exact zeros. So a decode of B slots is a few batched calls, not B runs padded to
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +41,7 @@ from embodied_kv.kernels.triton_base import (  # triton is None where it is not 
     MAX_GROUP,
     MAX_HEAD_DIM,
     Launch,
+    as_dtype,
     triton,
 )
 
@@ -86,6 +89,70 @@ def check_shapes(q, k_cache, v_cache, slot, kv_len) -> None:
         raise ValueError(f"slot {tuple(slot.shape)} and kv_len {tuple(kv_len.shape)} must be [{n}]")
 
 
+@dataclass(frozen=True)
+class RunGroup:
+    """Runs with the same (tokens, key bucket): one batched sdpa call."""
+
+    n: int  # tokens per run
+    t: int  # keys each run reads, a KEY_BLOCK multiple (masked past its kv_len)
+    index: slice | torch.Tensor  # the runs' tokens in the step: a slice (one run) or [G * n]
+    slot: slice | torch.Tensor  # the slots: s:s+1 for one run (a view), else [G] int64
+    mask: torch.Tensor  # [G, 1, R, t] fp32: 0 where query row r reads key j, -inf elsewhere
+
+
+@dataclass(frozen=True)
+class RefPlan:
+    """What the reference derives from one layer's host metadata (runs, kv_len), built once
+    per step and shared by every layer that reads the same lengths: per layer only the
+    gathers, the sdpa calls and the scatter remain (a tiny decode step is Python-bound)."""
+
+    groups: tuple[RunGroup, ...]
+    covered: int  # tokens in some run; the others (a step's padding) get zeros
+
+
+def plan_ref(
+    runs: list[Run],
+    kv_len: torch.Tensor,
+    kv_len_host: torch.Tensor,
+    group: int,
+    t_max: int,
+) -> RefPlan:
+    """Group `runs` by (tokens, key bucket) and build their masks from kv_len [N] (on the
+    device of the attention; `kv_len_host` is its CPU copy, read for the buckets).
+
+    The masks are the additive form sdpa turns a boolean mask into (0 / -inf in fp32), so the
+    bytes are those of a boolean mask. A run of n tokens is `run_rows(n, group)` query rows;
+    rows past n (padding) read key 0 only and are dropped."""
+    lens = kv_len_host.tolist()
+    by_shape: dict[tuple[int, int], list[Run]] = {}
+    for run in runs:
+        _, start, n = run
+        t = min(t_max, bucket(max(lens[start : start + n]), KEY_BLOCK))
+        by_shape.setdefault((n, t), []).append(run)
+    dev = kv_len.device
+    groups = []
+    for (n, t), same in by_shape.items():
+        g, rows = len(same), run_rows(n, group)
+        if g == 1:  # views, no gathers: a prefill, or a decode of one slot
+            s, start, _ = same[0]
+            index, slot = slice(start, start + n), slice(s, s + 1)
+            run_lens = kv_len[index].unsqueeze(0)  # [1, n]
+        else:
+            slot = torch.tensor([s for s, _, _ in same], device=dev)
+            index = torch.tensor([st + j for _, st, _ in same for j in range(n)], device=dev)
+            run_lens = kv_len[index].view(g, n)
+        if rows == 1:  # one token per run: a kv head's query heads are the rows
+            keep = (torch.arange(t, device=dev) < run_lens).view(g, 1, 1, t)
+        else:
+            if rows > n:
+                run_lens = torch.cat([run_lens, run_lens.new_ones(g, rows - n)], dim=1)
+            keep = torch.arange(t, device=dev) < run_lens.unsqueeze(-1)  # [G, rows, t]
+            keep = keep.unsqueeze(2).expand(g, rows, group, t).reshape(g, 1, rows * group, t)
+        mask = torch.zeros(keep.shape, device=dev).masked_fill_(~keep, float("-inf"))
+        groups.append(RunGroup(n, t, index, slot, mask))
+    return RefPlan(tuple(groups), sum(n for _, _, n in runs))
+
+
 def packed_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -95,69 +162,48 @@ def packed_attention_ref(
     scale: float,
     runs: list[Run] | None = None,
     kv_len_host: torch.Tensor | None = None,
+    plan: RefPlan | None = None,
 ) -> torch.Tensor:
     """Plain-torch packed attention. `runs` and `kv_len_host` (CPU copies the planner
-    already has) avoid device syncs; without them they are derived here. Tokens in no
-    run (a step's padding, which the planner leaves out) get zeros."""
+    already has) avoid device syncs; without them they are derived here. `plan` (from
+    `plan_ref` over the same runs and kv_len) skips the planning. Tokens in no run (a
+    step's padding, which the planner leaves out) get zeros."""
     check_shapes(q, k_cache, v_cache, slot, kv_len)
-    if runs is None:
-        runs = contiguous_runs(slot)
-    if kv_len_host is None:
-        kv_len_host = kv_len.cpu()
-    t_max = k_cache.shape[1]
-    covered = sum(n for _, _, n in runs)
-    assert covered <= q.shape[0]
-    out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
-    lens = kv_len_host.tolist()
-    groups: dict[tuple[int, int], list[Run]] = {}
-    for run in runs:
-        _, start, n = run
-        t = min(t_max, bucket(max(lens[start : start + n]), KEY_BLOCK))
-        groups.setdefault((n, t), []).append(run)
-    for (n, t), same in groups.items():
-        _attend_runs(q, k_cache, v_cache, kv_len, scale, same, n, t, out)
+    if plan is None:
+        if runs is None:
+            runs = contiguous_runs(slot)
+        if kv_len_host is None:
+            kv_len_host = kv_len.cpu()
+        plan = plan_ref(runs, kv_len, kv_len_host, q.shape[1] // k_cache.shape[2], k_cache.shape[1])
+    assert plan.covered <= q.shape[0]
+    out = torch.empty_like(q) if plan.covered == q.shape[0] else torch.zeros_like(q)
+    for grp in plan.groups:
+        _attend_runs(q, k_cache, v_cache, scale, grp, out)
     return out
 
 
-def _attend_runs(q, k_cache, v_cache, kv_len, scale, runs, n: int, t: int, out) -> None:
-    """Attention for G runs of n tokens each that read t keys: one batched sdpa call.
+def _attend_runs(q, k_cache, v_cache, scale, grp: RunGroup, out) -> None:
+    """Attention for the G runs of `grp`: one batched sdpa call.
 
     q [N, Hq, D] -> out rows of these runs; scores [G, Hkv, rows * group, t]."""
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    g = len(runs)
+    g, n, t = grp.mask.shape[0], grp.n, grp.t
     rows = run_rows(n, group)
-    dev = q.device
-    if g == 1:  # views, no gathers: a prefill, or a decode of one slot
-        s, start, _ = runs[0]
-        idx = slice(start, start + n)
-        qs, lens = q[idx].unsqueeze(0), kv_len[idx].unsqueeze(0)  # [1, n, Hq, D], [1, n]
-        k, v = k_cache[s, :t].unsqueeze(0), v_cache[s, :t].unsqueeze(0)  # [1, t, Hkv, D]
-    else:
-        slots = torch.tensor([s for s, _, _ in runs], device=dev)
-        idx = torch.tensor([st + j for _, st, _ in runs for j in range(n)], device=dev)  # [G*n]
-        qs, lens = q.index_select(0, idx).view(g, n, hq, d), kv_len[idx].view(g, n)
-        k = k_cache[:, :t].index_select(0, slots)  # [G, t, Hkv, D]
-        v = v_cache[:, :t].index_select(0, slots)
+    qs = q[grp.index].view(g, n, hq, d)  # one run: a view; several: a gather
+    k, v = k_cache[grp.slot, :t], v_cache[grp.slot, :t]  # [G, t, Hkv, D]
     qs, k, v = qs.float(), k.float().transpose(1, 2), v.float().transpose(1, 2)
-    if rows == 1:  # one token per run: a kv head's query heads are the rows, mask broadcast
-        keep = (torch.arange(t, device=dev) < lens).view(g, 1, 1, t)  # lens [G, 1]
-        o = F.scaled_dot_product_attention(qs.view(g, hkv, group, d), k, v, keep, scale=scale)
-        o = o.view(g, hq, d)  # [G, Hkv, group, D] -> [G*n, Hq, D]
+    if rows == 1:  # [G, Hkv, group, D] -> [G*n, Hq, D]
+        o = F.scaled_dot_product_attention(qs.view(g, hkv, group, d), k, v, grp.mask, scale=scale)
+        o = o.view(g, hq, d)
     else:
-        if rows > n:  # padded rows attend to key 0 only and are dropped
+        if rows > n:
             qs = torch.cat([qs, qs.new_zeros(g, rows - n, hq, d)], dim=1)
-            lens = torch.cat([lens, lens.new_ones(g, rows - n)], dim=1)
         qs = qs.view(g, rows, hkv, group, d).transpose(1, 2).reshape(g, hkv, rows * group, d)
-        keep = torch.arange(t, device=dev) < lens.unsqueeze(-1)  # [G, rows, t]
-        keep = keep.unsqueeze(2).expand(g, rows, group, t).reshape(g, 1, rows * group, t)
-        o = F.scaled_dot_product_attention(qs, k, v, keep, scale=scale)  # [G, Hkv, rows*group, D]
+        o = F.scaled_dot_product_attention(qs, k, v, grp.mask, scale=scale)
         o = o.view(g, hkv, rows, group, d).transpose(1, 2)[:, :n].reshape(g * n, hq, d)
-    if g == 1:
-        out[idx] = o.to(q.dtype)
-    else:
-        out.index_copy_(0, idx, o.to(q.dtype))
+    out[grp.index] = as_dtype(o, q.dtype)
 
 
 # --- Triton kernel ----------------------------------------------------------------------
@@ -284,9 +330,11 @@ def packed_attention(
     runs: list[Run] | None = None,
     kv_len_host: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    plan: RefPlan | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the Triton kernels on CUDA (into `out` when given), the reference elsewhere."""
+    """Dispatch: the Triton kernels on CUDA (into `out` when given), the reference elsewhere
+    (with `plan` when the caller made one for these runs and lengths)."""
     if q.is_cuda:
         return packed_attention_kernel(q, k_cache, v_cache, slot, kv_len, scale, out=out)
-    o = packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host)
+    o = packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host, plan)
     return o if out is None else out.copy_(o)

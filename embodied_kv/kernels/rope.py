@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from embodied_kv.kernels.triton_base import INTERPRETED, Launch, pow2, tl, triton
+from embodied_kv.kernels.triton_base import INTERPRETED, Launch, as_dtype, pow2, tl, triton
 
 MAX_HEAD_DIM = 256
 MAX_HEADS = 64
@@ -25,9 +25,8 @@ MAX_HEADS = 64
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, H, D] rotated by full-width tables cos, sin [N, 1, D] (fp32), x's dtype."""
     xf = x.float()
-    half = xf.shape[-1] // 2
-    swapped = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos + swapped * sin).to(x.dtype)
+    swapped = xf.roll(xf.shape[-1] // 2, dims=-1)  # [x2, x1]: the halves swapped
+    return as_dtype(xf * cos + swapped * sin, x.dtype)
 
 
 if triton is not None:

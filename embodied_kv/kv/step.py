@@ -61,6 +61,8 @@ def logit_rows(arena: KVArena) -> int:
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor -> `device` without a host sync: through pinned memory (torch's caching
     host allocator keeps it alive until the copy is done) and a non-blocking copy."""
+    if t.device == device:  # (a no-op `.to` still costs a dispatch: a CPU decode step is small)
+        return t
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -79,11 +81,12 @@ def plan_step(
         if seg.slot in seen or not 0 <= seg.slot < spec.num_slots or seg.n < 1:
             raise ValueError(f"bad segment {seg} (slots must be distinct, in range, n >= 1)")
         seen.add(seg.slot)
-        held = arena.slot_len(seg.slot)
-        if held + seg.n > spec.max_len:
+    slots = [seg.slot for seg in segments]
+    held = arena.length[:, slots].amax(0).tolist()  # arena.slot_len of each, in one op
+    for seg, h in zip(segments, held, strict=True):
+        if h + seg.n > spec.max_len:
             raise ValueError(
-                f"slot {seg.slot} holds {held} rows; {seg.n} more exceed "
-                f"max_len={spec.max_len}"
+                f"slot {seg.slot} holds {h} rows; {seg.n} more exceed max_len={spec.max_len}"
             )
     n_real = sum(s.n for s in segments)
     n_pad = max(bucket(n_real), pad_to)
@@ -91,13 +94,12 @@ def plan_step(
         raise ValueError(
             f"padding {n_pad - n_real} tokens exceeds the scratch slot ({spec.max_len})"
         )
-    # Per token, built as host lists then one tensor each (a decode step is small and
+    # Per token, built as host lists then one tensor (a decode step is small and
     # Python-bound): its slot, index j in its segment, rows it reads past the slot's
     # length, and position. Padding: scratch slot (length 0), reads rows [0, j + 1).
     tok_slot, tok_j, tok_reach, tok_pos = [], [], [], []
     runs, last, start = [], [], 0
-    for seg in segments:
-        p0 = int(arena.next_pos[seg.slot])
+    for seg, p0 in zip(segments, arena.next_pos[slots].tolist(), strict=True):
         tok_slot += [seg.slot] * seg.n
         tok_j += range(seg.n)
         tok_reach += range(1, seg.n + 1) if seg.causal else [seg.n] * seg.n
@@ -110,12 +112,10 @@ def plan_step(
     tok_j += range(pad)
     tok_reach += range(1, pad + 1)
     tok_pos += [0] * pad
-    slot = torch.tensor(tok_slot, dtype=torch.int64)
-    j = torch.tensor(tok_j, dtype=torch.int64)
+    slot, j, reach, position = torch.tensor([tok_slot, tok_j, tok_reach, tok_pos])  # [Np] each
     base = arena.length[:, slot]  # [L, Np]; the scratch slot's length stays 0 (never committed)
     row = base + j
-    kv_len = base + torch.tensor(tok_reach, dtype=torch.int64)
-    position = torch.tensor(tok_pos, dtype=torch.int64)
+    kv_len = base + reach
     last_index = torch.tensor(last + [last[-1]] * (logit_rows(arena) - len(last)))
     dev = arena.device
     return PackedStep(

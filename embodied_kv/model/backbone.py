@@ -9,12 +9,18 @@ emulation, where it stands for the kernel launch).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
-from embodied_kv.kernels.packed_attention import packed_attention
+from embodied_kv.kernels.packed_attention import (
+    RefPlan,
+    packed_attention,
+    plan_ref,
+)
+from embodied_kv.kernels.triton_base import as_dtype
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.step import PackedStep
 from embodied_kv.model.config import GemmaConfig
@@ -34,7 +40,7 @@ class GemmaBackbone(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [N] -> [N, W], scaled by sqrt(width) (Gemma)."""
         e = self.embed_tokens(ids)
-        return e * torch.tensor(math.sqrt(self.cfg.width), dtype=e.dtype)
+        return e * embed_scale(self.cfg.width, e.dtype)
 
     def forward(
         self, x: torch.Tensor, step: PackedStep, arena: KVArena, observer=None
@@ -46,8 +52,10 @@ class GemmaBackbone(nn.Module):
         per layer after the layer's K/V are written (VL-Cache's statistics, kv/compress.py)."""
         assert x.shape[0] == step.n_padded
         cos_sin = self.rope.at(step.position)
+        plans = self._ref_plans(step, arena) if step.runs is not None and not x.is_cuda else None
         for i in range(len(self.layers)):
-            x, _ = self.layer_forward(i, x, cos_sin, step, arena, observer)
+            plan = None if plans is None else plans[i]
+            x, _ = self.layer_forward(i, x, cos_sin, step, arena, observer, plan)
         return self.norm(x)
 
     def layer_forward(
@@ -58,37 +66,57 @@ class GemmaBackbone(nn.Module):
         step: PackedStep,
         arena: KVArena,
         observer=None,
+        plan: RefPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i of a packed step: x [Np, W] -> (x [Np, W], q [Np, Hq, D] after RoPE).
 
         Writes the tokens' K/V into their rows of layer i first. The selective prefill of
         planner memory (kv/recompute.py) runs layers one by one on shrinking token sets
-        through this same function, so its full-set case is this forward in bytes."""
+        through this same function, so its full-set case is this forward in bytes. `plan`:
+        the reference attention's plan for this layer's lengths (`_ref_plans`); without it
+        the reference makes its own (same bytes)."""
         layer = self.layers[i]
         attn = layer.self_attn
         q, k, v = attn.qkv(layer.input_layernorm(x))
         q, k = self.rope.rotate(q, cos_sin), self.rope.rotate(k, cos_sin)
         k_cache, v_cache = arena.k[i], arena.v[i]
-        k_cache[step.slot, step.row[i]] = k.to(k_cache.dtype)
-        v_cache[step.slot, step.row[i]] = v.to(v_cache.dtype)
+        row, kv_len = step.row[i], step.kv_len[i]
+        k_cache[step.slot, row] = as_dtype(k, k_cache.dtype)
+        v_cache[step.slot, row] = as_dtype(v, v_cache.dtype)
         if observer is not None:  # VL-Cache statistics (kv/compress.py)
             observer(i, q, k_cache)
         if step.runs is None:
-            o = graph_attention(q, k_cache, v_cache, step.slot, step.kv_len[i], self.scale)
-        else:
+            o = graph_attention(q, k_cache, v_cache, step.slot, kv_len, self.scale)
+        else:  # the reference (CPU) takes a plan; the kernels need no host metadata
             o = packed_attention(
                 q,
                 k_cache,
                 v_cache,
                 step.slot,
-                step.kv_len[i],
+                kv_len,
                 self.scale,
                 step.runs,
                 step.kv_len_host[i],
+                plan=plan,
             )
-        x = x + attn.o_proj(o.reshape(x.shape[0], -1))
+        x = x + attn.project_out(o.reshape(x.shape[0], -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x, q
+
+    def _ref_plans(self, step: PackedStep, arena: KVArena) -> list[RefPlan]:
+        """The reference attention's plan per layer, made once per distinct kv_len row: every
+        layer shares one unless a compressed slot keeps different rows per layer."""
+        made: dict[tuple[int, ...], RefPlan] = {}
+        plans = []
+        group = self.cfg.heads // self.cfg.kv_heads
+        for i, lens in enumerate(step.kv_len_host.tolist()):
+            key = tuple(lens)
+            if key not in made:
+                made[key] = plan_ref(
+                    step.runs, step.kv_len[i], step.kv_len_host[i], group, arena.spec.max_len
+                )
+            plans.append(made[key])
+        return plans
 
     def logits(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Tied LM head on the rows `index` ([R] int64, on hidden's device) of hidden
@@ -98,6 +126,13 @@ class GemmaBackbone(nn.Module):
         row's logits do not depend on how many others are computed with it."""
         h = hidden.index_select(0, index)
         return (h @ self.embed_tokens.weight.t()).float()
+
+
+@functools.cache
+def embed_scale(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """sqrt(width) as a 0-dim CPU tensor of the embeddings' dtype (HF Gemma's normalizer: rounded
+    to that dtype first), made once: never modified, only multiplied by."""
+    return torch.tensor(math.sqrt(width), dtype=dtype)
 
 
 @torch.library.custom_op("embodied_kv::graph_attention", mutates_args=())

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from embodied_kv.kernels.triton_base import as_dtype
 from embodied_kv.kv.arena import ArenaSpec, KVArena
 from embodied_kv.kv.step import Segment, commit_step, plan_step, to_device
 from embodied_kv.model.backbone import GemmaBackbone
@@ -166,21 +167,25 @@ class VLA(nn.Module):
         """The step's token embeddings laid out flat, zero rows as padding -> [n_padded, W].
 
         Every input's ids are embedded in one lookup after one non-blocking copy."""
-        x = torch.zeros(n_padded, self.cfg.backbone.width, device=self.device, dtype=self.dtype)
+        dev, dtype = self.device, self.dtype
+        x = torch.zeros(n_padded, self.cfg.backbone.width, device=dev, dtype=dtype)
         ids = [i.ids.reshape(-1) for i in inputs if i.embeds is None]
         if ids:
-            if all(t.device != self.device for t in ids):  # host ids: one copy for all
-                flat = to_device(torch.cat(ids), self.device)  # [sum n]
+            if all(t.device != dev for t in ids):  # host ids: one copy for all
+                flat = to_device(torch.cat(ids), dev)  # [sum n]
             else:
-                flat = torch.cat([to_device(t, self.device) for t in ids])
-            embedded = self.backbone.embed(flat).to(self.dtype)  # [sum n, W]
+                flat = torch.cat([to_device(t, dev) for t in ids])
+            embedded = as_dtype(self.backbone.embed(flat), dtype)  # [sum n, W]
+            if len(ids) == len(inputs):  # ids only (a decode): laid out as they come
+                x[: embedded.shape[0]] = embedded
+                return x
         start, used = 0, 0
         for inp in inputs:
             if inp.embeds is None:
                 x[start : start + inp.n] = embedded[used : used + inp.n]
                 used += inp.n
             else:
-                x[start : start + inp.n] = inp.embeds.to(self.dtype)
+                x[start : start + inp.n] = inp.embeds.to(dtype)
             start += inp.n
         return x
 
