@@ -61,6 +61,21 @@ def test_reference_is_batch_invariant(make_inputs, case, heads):
         assert torch.equal(packed[one], alone), f"token {i}"
 
 
+@pytest.mark.parametrize("case", ["decode", "mixed", "scattered"])
+def test_one_plan_serves_every_layer_with_the_same_lengths(make_inputs, case):
+    """`plan_ref` made once (what the backbone does per step) and passed to calls over other
+    layers' K/V gives each call the bytes it computes when it plans for itself."""
+    q, k, v, slot, kv_len, scale = make_inputs(CASES[case], REF_HEADS["mqa"])
+    runs = pa.contiguous_runs(slot)
+    plan = pa.plan_ref(runs, kv_len, kv_len.cpu(), q.shape[1] // k.shape[2], k.shape[1])
+    for layer in range(3):  # other K/V and queries, as in the next layers
+        g = torch.Generator().manual_seed(layer)
+        k2, v2 = (torch.randn(k.shape, generator=g).to(k) for _ in range(2))
+        q2 = torch.randn(q.shape, generator=g).to(q)
+        planned = pa.packed_attention_ref(q2, k2, v2, slot, kv_len, scale, plan=plan)
+        assert torch.equal(planned, pa.packed_attention_ref(q2, k2, v2, slot, kv_len, scale))
+
+
 def test_entry_point_writes_out_buffer(make_inputs):
     """`packed_attention(out=...)` fills the caller's buffer on every path (CPU: reference)."""
     q, k, v, slot, kv_len, scale = make_inputs(CASES["mixed"], REF_HEADS["gqa"])

@@ -141,3 +141,24 @@ def test_mixed_step_equals_separate_steps(tiny_model):
         n = sep.slot_len(s)
         assert n == mix.slot_len(s)
         assert torch.equal(sep.k[:, s, :n], mix.k[:, s, :n])
+
+
+def test_layers_with_different_lengths_get_their_own_attention_plan(tiny_model, monkeypatch):
+    """The backbone plans the reference attention once per distinct kv_len row of a step and
+    shares it between layers; a slot that keeps fewer rows in one layer (a compressed slot)
+    gets that layer's own plan: the bytes of planning inside every attention call."""
+    model = tiny_model
+    shared, per_call = model.new_arena(4, 512), model.new_arena(4, 512)
+    for arena in (shared, per_call):
+        prefill_all(model, arena, 3)
+        arena.length[1, 0] -= 5  # layer 1 of slot 0 forgets its last 5 rows
+        arena.length[2, 2] -= 64  # and layer 2 of slot 2 a whole key block
+    ids = torch.tensor([70, 71, 72])
+    lg_shared = model.decode(shared, [0, 1, 2], ids)
+    monkeypatch.setattr(type(model.backbone), "_ref_plans", lambda self, step, arena: None)
+    lg_per_call = model.decode(per_call, [0, 1, 2], ids)
+    assert torch.equal(lg_shared, lg_per_call)
+    monkeypatch.undo()
+    intact = model.new_arena(4, 512)
+    prefill_all(model, intact, 3)
+    assert not torch.equal(model.decode(intact, [0, 1, 2], ids)[0], lg_shared[0])
