@@ -24,6 +24,8 @@ only where n * group < ROW_BUCKET. Runs with the same (tokens, key bucket) go th
 batched `scaled_dot_product_attention` call (a batch entry rounds as it does alone, checked
 by test/kernels) and keys are padded to a multiple of KEY_BLOCK; masked keys contribute
 exact zeros. So a decode of B slots is a few batched calls, not B runs padded to 16 rows.
+The grouping, gather indices and masks (`plan_ref`) depend only on the runs and kv_len, so
+the backbone makes them once per step and every layer with the same lengths reuses them.
 """
 
 from __future__ import annotations

@@ -134,6 +134,7 @@ def plan_step(
 
 def commit_step(arena: KVArena, step: PackedStep) -> None:
     """Make the rows written by `step` valid (call after the forward pass)."""
-    for seg in step.segments:
-        arena.length[:, seg.slot] += seg.n
-        arena.next_pos[seg.slot] += seg.n
+    slots = [seg.slot for seg in step.segments]  # distinct (plan_step checked)
+    n = torch.tensor([seg.n for seg in step.segments])
+    arena.length[:, slots] += n
+    arena.next_pos[slots] += n

@@ -205,7 +205,8 @@ class VLA(nn.Module):
 
     def decode(self, arena: KVArena, slots: list[int], ids: torch.Tensor) -> torch.Tensor:
         """One token for each slot in one step: ids [B] -> logits [B, V]."""
-        return self.step(arena, [StepInput(s, ids=ids[i : i + 1]) for i, s in enumerate(slots)])
+        rows = ids.view(-1, 1).unbind()  # B views [1], made in one call
+        return self.step(arena, [StepInput(s, ids=r) for s, r in zip(slots, rows, strict=True)])
 
     @torch.no_grad()
     def sample_actions(
