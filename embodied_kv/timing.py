@@ -21,11 +21,20 @@ def synchronize(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_clock(device: str | torch.device) -> Callable[[], float]:
-    """A `perf_counter`-like clock (seconds) that synchronizes `device` before reading."""
+# CPU clocks: wall time, or the calling thread's CPU time, which excludes the time the OS
+# gives other processes (on a shared, oversubscribed CPU a preemption is otherwise the
+# measurement). Thread time counts single-threaded work only (torch at one intra-op thread).
+CPU_CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def device_clock(device: str | torch.device, cpu: str = "wall") -> Callable[[], float]:
+    """A `perf_counter`-like clock (seconds) that synchronizes `device` before reading;
+    on a CPU, `cpu` picks one of CPU_CLOCKS."""
     device = torch.device(device)
     if device.type != "cuda":
-        return time.perf_counter
+        if cpu not in CPU_CLOCKS:
+            raise ValueError(f"cpu clock {cpu!r} is none of {sorted(CPU_CLOCKS)}")
+        return CPU_CLOCKS[cpu]
 
     def clock() -> float:
         torch.cuda.synchronize(device)

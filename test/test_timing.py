@@ -26,3 +26,13 @@ def test_cuda_clock_waits_for_queued_work():
         x = x @ x
         x = x / x.norm()
     assert elapsed_ms(t, clock) > 1.0  # 20 4k GEMMs take well over a millisecond once waited for
+
+
+def test_cpu_thread_clock_excludes_sleep():
+    """The thread clock counts this thread's CPU work, not time the OS gives others."""
+    clock = device_clock("cpu", "thread")
+    t = clock()
+    time.sleep(0.05)
+    assert elapsed_ms(t, clock) < 25
+    with pytest.raises(ValueError, match="cpu clock"):
+        device_clock("cpu", "cycles")

@@ -87,6 +87,7 @@ class HFGenerate:
     kwargs: dict = field(default_factory=dict)
     compile_s: float | None = None  # first call's extra time, when it compiles
     unavailable: str | None = None  # why it cannot run here
+    cpu_clock: str = "wall"  # timing.CPU_CLOCKS: what a CPU step time is read on
 
     def _one(self, ids, mask, new_tokens, clock) -> tuple[torch.Tensor, float]:
         stamps = StepClock(clock)
@@ -102,7 +103,7 @@ class HFGenerate:
         return out[:, ids.shape[1] :], stamps.median_gap_ms()
 
     def __call__(self, prompts: list[torch.Tensor], new_tokens: int) -> Generated:
-        clock = device_clock(prompts[0].device)
+        clock = device_clock(prompts[0].device, self.cpu_clock)
         pad = self.model.generation_config.pad_token_id
         t0 = clock()
         if self.batched:
@@ -127,8 +128,9 @@ class HFGenerate:
             self.compile_s = extra
 
 
-def language_baselines(model, compiled: bool = True) -> list[HFGenerate]:
-    """The three language baselines; compiled=False reports the compiled one as skipped."""
+def language_baselines(model, compiled: bool = True, cpu_clock: str = "wall") -> list[HFGenerate]:
+    """The three language baselines; compiled=False reports the compiled one as skipped;
+    their step times on a CPU are read on `cpu_clock` (timing.CPU_CLOCKS)."""
     eager = to_hf_gemma(model, share=True, attn_implementation="eager")
     sdpa = to_hf_gemma(model, share=True, attn_implementation="sdpa")
     static = to_hf_gemma(model, share=True, attn_implementation="sdpa")
@@ -140,12 +142,14 @@ def language_baselines(model, compiled: bool = True) -> list[HFGenerate]:
             "HF generate, eager attention, one request at a time",
             eager,
             batched=False,
+            cpu_clock=cpu_clock,
         ),
         HFGenerate(
             "hf_sdpa_batched",
             "HF generate, sdpa, all requests left-padded in one batch",
             sdpa,
             batched=True,
+            cpu_clock=cpu_clock,
         ),
         HFGenerate(
             "hf_static_compiled",
@@ -154,6 +158,7 @@ def language_baselines(model, compiled: bool = True) -> list[HFGenerate]:
             batched=True,
             kwargs={"cache_implementation": "static", "compile_config": config},
             unavailable=None if compiled else SKIPPED,
+            cpu_clock=cpu_clock,
         ),
     ]
 

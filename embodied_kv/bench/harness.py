@@ -136,8 +136,8 @@ def quantile(sorted_samples: Sequence[float], q: float) -> float:
     return sorted_samples[lo] + (sorted_samples[hi] - sorted_samples[lo]) * (x - lo)
 
 
-def time_once(fn: Callable[[], object], device: str | torch.device) -> float:
-    clock = device_clock(device)
+def time_once(fn: Callable[[], object], device: str | torch.device, cpu: str = "wall") -> float:
+    clock = device_clock(device, cpu)
     t = clock()
     fn()
     return elapsed_ms(t, clock)
@@ -166,9 +166,11 @@ def interleave(
     device: str | torch.device,
     warmup: int = 1,
     repeats: int = 5,
+    cpu: str = "wall",
 ) -> dict[str, list[float]]:
-    """`interleave_calls` timing each call -> ms samples per name."""
-    timed = {name: (lambda fn=fn: time_once(fn, device)) for name, fn in fns.items()}
+    """`interleave_calls` timing each call (on a CPU, with the clock `cpu`) -> ms samples
+    per name."""
+    timed = {name: (lambda fn=fn: time_once(fn, device, cpu)) for name, fn in fns.items()}
     return interleave_calls(timed, warmup, repeats)
 
 

@@ -43,7 +43,7 @@ from embodied_kv.model.config import get_preset
 from embodied_kv.model.hf_interop import arena_to_dynamic_cache
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import VLA, StepInput, build_model
-from embodied_kv.timing import device_clock, elapsed_ms
+from embodied_kv.timing import CPU_CLOCKS, device_clock, elapsed_ms
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def row(kind: str, baseline: str, label: str, ours: list, theirs: list | None, *
 # -- prefill ------------------------------------------------------------------------------
 
 
-def prefill_rows(model, hfs: dict, n: int, repeats: int) -> list[dict]:
+def prefill_rows(model, hfs: dict, n: int, repeats: int, cpu: str) -> list[dict]:
     ids = random_ids(n, model.cfg.vocab_size, n, model.device)
     arena = arena_for(model, 1, n)
     slot = arena.allocate()
@@ -114,7 +114,7 @@ def prefill_rows(model, hfs: dict, n: int, repeats: int) -> list[dict]:
     fns = {"ours": ours, **{name: (lambda name=name: forward(name)) for name in names}}
     inner = max(1, PREFILL_INNER_TOKENS // n)  # short prefills: several per timed sample
     fns = {k: harness.looped(fn, inner) for k, fn in fns.items()}
-    t = harness.interleave(fns, model.device, warmup=1, repeats=repeats)
+    t = harness.interleave(fns, model.device, warmup=1, repeats=repeats, cpu=cpu)
     t = {k: [ms / inner for ms in v] for k, v in t.items()}
     rows = []
     for name in names:
@@ -129,10 +129,13 @@ def prefill_rows(model, hfs: dict, n: int, repeats: int) -> list[dict]:
 # -- decode -------------------------------------------------------------------------------
 
 
-def ours_generate(model, prompts: list[torch.Tensor], new_tokens: int, batched: bool):
+def ours_generate(
+    model, prompts: list[torch.Tensor], new_tokens: int, batched: bool, cpu: str = "wall"
+):
     """Prefill (one packed step), then greedy decode, all slots in one step per token
-    (batched) or each slot alone -> (tokens, logits [B, T-1, V], step ms, total ms)."""
-    clock = device_clock(model.device)
+    (batched) or each slot alone -> (tokens, logits [B, T-1, V], step ms, total ms), timed
+    on the CPU clock `cpu` (timing.CPU_CLOCKS) on a CPU."""
+    clock = device_clock(model.device, cpu)
     arena = arena_for(model, len(prompts), max(p.shape[0] for p in prompts) + new_tokens)
     slots = [arena.allocate() for _ in prompts]
     groups = [slots] if batched else [[s] for s in slots]
@@ -160,7 +163,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def decode_rows(model, hfs: dict, batch: int, sweep: Sweep) -> tuple[list[dict], bool]:
+def decode_rows(model, hfs: dict, batch: int, sweep: Sweep, cpu: str) -> tuple[list[dict], bool]:
     """Rows for batch size B (decode and text per baseline) and whether B is exact."""
     vocab, T = model.cfg.vocab_size, sweep.new_tokens
     prompts = [
@@ -171,7 +174,7 @@ def decode_rows(model, hfs: dict, batch: int, sweep: Sweep) -> tuple[list[dict],
     batched_exact = ours_tok == alone_tok and torch.equal(ours_lg, alone_lg)
 
     def ours():
-        tok, _, steps, total = ours_generate(model, prompts, T, batched=True)
+        tok, _, steps, total = ours_generate(model, prompts, T, batched=True, cpu=cpu)
         return tok, statistics.median(steps), total
 
     for b in hfs.values():  # per batch: a compiled baseline may recompile for a new shape
@@ -206,7 +209,7 @@ def decode_rows(model, hfs: dict, batch: int, sweep: Sweep) -> tuple[list[dict],
 # -- denoise ------------------------------------------------------------------------------
 
 
-def denoise_rows(model, repeats: int, compiled: bool) -> list[dict]:
+def denoise_rows(model, repeats: int, compiled: bool, cpu: str) -> list[dict]:
     prefix = model.embed_prefix(synthetic_observation(model.cfg, 0))
     n = prefix.embeds.shape[0]
     arena = arena_for(model, 1, n)
@@ -225,7 +228,7 @@ def denoise_rows(model, repeats: int, compiled: bool) -> list[dict]:
 
     live = [b for b in baselines if b.unavailable is None]
     fns = {"ours": ours, **{b.name: (lambda b=b: theirs(b)) for b in live}}
-    t = harness.interleave(fns, model.device, warmup=1, repeats=repeats)
+    t = harness.interleave(fns, model.device, warmup=1, repeats=repeats, cpu=cpu)
     rows = []
     for b in baselines:
         extra = {"tokens": n, "steps": model.cfg.denoise_steps}
@@ -279,9 +282,19 @@ def parse(argv) -> argparse.Namespace:
     p.add_argument(
         "--skip-compiled", action="store_true", help="report the torch.compile baselines as skipped"
     )
+    p.add_argument(
+        "--clock",
+        choices=sorted(CPU_CLOCKS),
+        default="wall",
+        help="CPU timings on wall time or this thread's CPU time (excludes other processes' "
+        "slices on a shared CPU; valid at one thread)",
+    )
     p.add_argument("--checkpoint", help="pi0.5 safetensors (LeRobot layout); else random")
     p.add_argument("--tokenizer", help="Gemma tokenizer path (pi05); else bytes")
-    return harness.parse(p, argv)
+    args = harness.parse(p, argv)
+    if args.clock == "thread" and (args.device != "cpu" or args.threads != 1):
+        p.error("--clock thread times one CPU thread's work: needs --device cpu and --threads 1")
+    return args
 
 
 def build(args) -> VLA:
@@ -309,16 +322,19 @@ def main(argv=None) -> int:
     sweep = SWEEPS[(args.preset, "smoke" if args.smoke else args.quick)]
     with torch.no_grad():
         model = build(args)
-        hfs = {b.name: b for b in language_baselines(model, not args.skip_compiled)}
+        baselines = language_baselines(model, not args.skip_compiled, args.clock)
+        hfs = {b.name: b for b in baselines}
         warm = [random_ids(sweep.context, model.cfg.vocab_size, 0, model.device)]
         ours_generate(model, warm, 3, batched=True)
-        rows = [r for n in sweep.prefill for r in prefill_rows(model, hfs, n, sweep.repeats)]
+        rows = [
+            r for n in sweep.prefill for r in prefill_rows(model, hfs, n, sweep.repeats, args.clock)
+        ]
         exact = True
         for b in sweep.batches:
-            more, ok = decode_rows(model, hfs, b, sweep)
+            more, ok = decode_rows(model, hfs, b, sweep, args.clock)
             rows += more
             exact &= ok
-        rows += denoise_rows(model, 2 * sweep.repeats, not args.skip_compiled)
+        rows += denoise_rows(model, 2 * sweep.repeats, not args.skip_compiled, args.clock)
         invariance = gemm_row_invariance(model)
     ratios = {
         f"{r['kind']}/{r.get('batch', r.get('tokens'))}/{r['baseline']}": r["speedup"] for r in rows
@@ -329,6 +345,7 @@ def main(argv=None) -> int:
         "preset": args.preset,
         "dtype": str(model.dtype).removeprefix("torch."),
         "quick": args.quick,
+        "clock": args.clock,
         "checkpoint": args.checkpoint,
         "sweep": asdict(sweep),
         "rows": rows,
@@ -338,7 +355,10 @@ def main(argv=None) -> int:
         "exact": exact,
     }
     result = harness.finish(result, env, args.json)
-    print(f"bench step: preset {args.preset} on {result['device']} ({result['dtype']})")
+    print(
+        f"bench step: preset {args.preset} on {result['device']} ({result['dtype']}), "
+        f"{args.clock} clock"
+    )
     report(rows)
     if b1 is not None:
         print(f"decode B=1 vs HF sdpa one-request generate: {b1:.2f}x (above 1: ours faster)")

@@ -19,6 +19,7 @@ def test_bench_step_json(tmp_path, capsys):
     for field in ("device", "preset", "date", "rows", "ratios", "exact", "environment"):
         assert field in result, field
     assert result["preset"] == "tiny" and result["dtype"] == "float32"
+    assert result["clock"] == "wall"
     assert result["device"].startswith("CPU") and result["exact"] is True
     env = result["environment"]
     assert env["threads"] == 1 and env["versions"]["transformers"] and len(env["load_start"]) == 3
@@ -58,3 +59,12 @@ def test_pi05_on_cpu_is_refused_without_the_flag(capsys):
     assert "--allow-cpu-pi05" in capsys.readouterr().err
     args = step.parse(["--preset", "pi05", "--device", "cpu", "--allow-cpu-pi05"])
     assert args.allow_cpu_pi05
+
+
+def test_thread_clock_only_for_one_cpu_thread(capsys):
+    """Thread CPU time measures the work of the thread that runs it: one CPU thread only."""
+    assert step.parse(["--device", "cpu", "--clock", "thread"]).clock == "thread"
+    for extra in (["--threads", "2"], ["--clock", "cycles"]):
+        with pytest.raises(SystemExit) as err:
+            step.parse(["--device", "cpu", "--clock", "thread", *extra])
+        assert err.value.code == 2
