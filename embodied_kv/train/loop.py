@@ -206,6 +206,7 @@ def save_checkpoint(model, out: Path) -> Path:
     path = out / WEIGHTS_FILE
     model.eval()
     save_weights(model, path)
+    path.chmod(0o644)  # the temp file was 0600; the weights ship beside tokenizer.json
     model.train()
     return path
 

@@ -36,6 +36,7 @@ def test_loss_falls_and_checkpoint_runs_in_the_engine(tmp_path):
     logged = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(STEPS))
     assert not list(tmp_path.glob(".*.tmp"))  # atomic writes left nothing behind
+    assert (tmp_path / WEIGHTS_FILE).stat().st_mode & 0o777 == 0o644  # readable, shippable
 
     model = load_trained(tmp_path / WEIGHTS_FILE)
     assert model.cfg.tokenizer == "words" and (tmp_path / TOKENIZER_FILE).is_file()
