@@ -173,7 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         executor = SingleThreadedExecutor(context=init.context)
         for node in nodes:
             executor.add_node(node)
-        spinner = threading.Thread(target=_spin, args=(executor,), name="ros-executor")
+        # daemon: if spin() misses the shutdown (a race inside rclpy's wait), the process
+        # still exits after the bounded join below instead of hanging in interpreter exit
+        spinner = threading.Thread(
+            target=_spin, args=(executor,), name="ros-executor", daemon=True
+        )
         spinner.start()
         status = 0
         try:
@@ -201,8 +205,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:  # the context went first: still stop every thread before the handles go
                 for node in reversed(nodes):
                     node.on_shutdown(None)
-            executor.shutdown()
+            executor.shutdown(timeout_sec=EXECUTOR_JOIN_TIMEOUT_S)
             spinner.join(EXECUTOR_JOIN_TIMEOUT_S)
+            if spinner.is_alive():
+                print("embodied_kv: the ROS executor did not stop; exiting without it",
+                      file=sys.stderr, flush=True)  # fmt: skip
             for node in nodes:
                 node.destroy_node()
     if status == 0 and args.demo_seconds is not None:
