@@ -52,6 +52,7 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         state[: min(cfg.state_dim, s.state.shape[0])] = s.state[: cfg.state_dim]
         prompt = tokenizer.encode(format_prompt(s.instruction, state, cfg.state_bins))
         ids = prompt[: cfg.max_text_tokens]
+        prompt_lens.append(len(ids))
         labels = [IGNORE] * len(ids)
         if s.kind == "actions":
             bins = bins or _bins(cfg)
@@ -67,7 +68,6 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
             ids += target
             labels += target[1:] + [IGNORE]
         rows.append(ids)
-        prompt_lens.append(min(len(prompt), cfg.max_text_tokens))
         label_rows.append(labels)
     t = max(len(r) for r in rows)
     ids = torch.full((len(rows), t), tokenizer.pad_id, dtype=torch.long)

@@ -24,7 +24,6 @@ from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.world.dataset import DataConfig, Sample, make_sample
 from embodied_kv.world.render import LABELS
 
-ACTION_TOKENS_GUESS = 80  # bins ids of a world chunk (10 x 8), for length bucketing
 TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
 EVAL_SEED_BASE = 2**48  # held-out world seeds (eval/world.py) lie above every training seed
 
@@ -106,11 +105,13 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                          "horizon": mcfg.action_horizon})  # fmt: skip
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
     model.train()
-    torch.manual_seed(cfg.seed)  # the patch head's init
-    head = torch.nn.Linear(mcfg.backbone.width, len(LABELS)).to(cfg.device)
-    params = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
+    head = None
+    if cfg.patch_weight > 0:
+        torch.manual_seed(cfg.seed)  # the patch head's init
+        head = torch.nn.Linear(mcfg.backbone.width, len(LABELS)).to(cfg.device)
+        params += list(head.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    head = head if cfg.patch_weight > 0 else None
     gen = torch.Generator().manual_seed(cfg.seed)
     log_path = out / "train_log.jsonl"
     log_path.write_text("")
@@ -144,9 +145,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         opt.step()
         rec = step_record(step, parts, time.perf_counter() - start)
         records.append(rec)
-        for kind, (r, n) in rec["first"].items():
-            window = first_acc.setdefault(kind, [0, 0])
-            window[0], window[1] = window[0] + r, window[1] + n
+        add_counts(first_acc, rec["first"])
         if step % cfg.log_every == 0:
             rec["first_acc"] = {k: round(r / n, 3) for k, (r, n) in first_acc.items() if n}
             first_acc.clear()
@@ -171,11 +170,18 @@ def length_buckets(samples: list[Sample], parts: int) -> list[list[Sample]]:
 
     def length(s: Sample) -> int:
         words = sum(len((a + " " + b).split()) for a, b in s.turns)
-        return words + (ACTION_TOKENS_GUESS if s.kind == "actions" else 0)
+        return words + (s.actions.size if s.kind == "actions" else 0)  # H x A bins ids
 
     ordered = sorted(samples, key=length)
     size = -(-len(ordered) // parts)
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def add_counts(into: dict[str, list[int]], counts: dict[str, list[int]]) -> None:
+    """Per-kind [right, counted] pairs of `counts` added into `into`."""
+    for kind, (right, n) in counts.items():
+        total = into.setdefault(kind, [0, 0])
+        total[0], total[1] = total[0] + right, total[1] + n
 
 
 def step_record(step: int, parts: list, seconds: float) -> dict:
@@ -184,9 +190,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
     n_text = sum(p.n_text for p in parts) or 1
     first: dict[str, list[int]] = {}
     for p in parts:
-        for k, (r, c) in p.first_right.items():
-            f = first.setdefault(k, [0, 0])
-            f[0], f[1] = f[0] + r, f[1] + c
+        add_counts(first, p.first_right)
     return {
         "step": step,
         "loss": float(sum(p.total.detach() for p in parts)),
