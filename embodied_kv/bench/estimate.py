@@ -44,7 +44,7 @@ EAGER_LAUNCH_S = 6e-6  # per torch op launched from Python (CPU-bound when kerne
 FACTS_LIMIT_MS = {2: 5.3, 3: 6.6}  # PI05_FACTS.md: bf16 arithmetic limit, 10 Euler steps
 TEXT_TOKENS = 48  # the limit's prompt length (PI05_FACTS.md)
 REGIONS = ("vision", "embed", "prefill", "logits", "denoise")
-CAPTURED = {"prefill", "logits", "denoise"}  # engine/graphs.py: step and denoise graphs
+CAPTURED = {"vision", "prefill", "logits", "denoise"}  # engine/graphs.py: vision, step, denoise
 
 
 def attention_cost(q, k_cache, slot, kv_len) -> tuple[float, float]:

@@ -10,6 +10,9 @@ below), so a capsule restore, which copies into the arena, needs no recapture.
 * denoising: the whole 10-step Euler loop as one graph per (slot, row bucket); the
   expert reads rows [0, bucket) and masks those past the prefix length (a device
   scalar), exactly as the eager path does (model/vla.py `denoise_rows`).
+* vision: the SigLIP tower and projector as one graph per number of present cameras
+  (1 .. num_cameras): the images copied into a static input, the image tokens read from
+  the static output (at pi05 ~570 kernels per frame, launch-bound when eager).
 
 Modes:
   "cuda"     torch.cuda.graph capture and replay (the product).
@@ -99,14 +102,18 @@ class GraphRunner:
         self.step_buckets = tuple(b for b in step_buckets if b <= most)
         self._steps: dict[int, StaticStep] = {}
         self._denoise: dict[tuple[int, int], tuple] = {}
+        self._vision: dict[int, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.replays = 0
         self.captures = 0
 
     def capture(self) -> None:
-        """Capture every step bucket and the denoise loop of every slot and row bucket
-        (configure time; nothing is captured during a control cycle after this)."""
+        """Capture every step bucket, the denoise loop of every slot and row bucket and the
+        vision tower at every camera count (configure time; nothing is captured during a
+        control cycle after this)."""
         self.capture_steps()
+        for cams in range(1, self.model.cfg.num_cameras + 1):
+            self._vision_graph(cams)
         spec = self.arena.spec
         # the expert reads a frame's fresh prefix: at most all cameras + the prompt
         longest = min(spec.max_len, self.model.cfg.prefix_tokens_max)
@@ -186,6 +193,32 @@ class GraphRunner:
             replay, out = self._capture(lambda: expert.sample(arena, slot, plen_s, noise_s, rows))
             self._denoise[key] = (replay, out, noise_s, plen_s)
         return self._denoise[key]
+
+    # -- vision ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def vision(self, images: torch.Tensor) -> torch.Tensor | None:
+        """Replay the tower for images [C, 3, S, S] -> image tokens [C, P, W] (a copy), or
+        None when graphs are off (the caller runs the tower eagerly)."""
+        v = self.model.cfg.vision
+        if not self.enabled or tuple(images.shape[1:]) != (3, v.image_size, v.image_size):
+            return None  # the eager tower refuses a wrong image shape with its message
+        replay, out, images_s = self._vision_graph(images.shape[0])
+        images_s.copy_(images, non_blocking=True)
+        replay()
+        self.replays += 1
+        return out.clone()
+
+    def _vision_graph(self, cams: int) -> tuple:
+        if cams not in self._vision:
+            v = self.model.cfg.vision
+            tower = self.model.vision
+            dtype = tower.tower.embeddings.patch_embedding.weight.dtype  # the tower's input
+            images_s = torch.zeros(cams, 3, v.image_size, v.image_size, dtype=dtype,
+                                   device=self.arena.device)  # fmt: skip
+            replay, out = self._capture(lambda: tower(images_s))
+            self._vision[cams] = (replay, out, images_s)
+        return self._vision[cams]
 
     # -- capture ---------------------------------------------------------------------
 

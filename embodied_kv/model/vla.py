@@ -129,7 +129,9 @@ class VLA(nn.Module):
         present = [i for i, m in enumerate(mask) if m]
         if present:
             imgs = to_device(obs.images[present], self.device)  # the tower casts (fp32)
-            parts.append(self.vision(imgs).reshape(-1, c.backbone.width).to(self.dtype))
+            tokens = self.graphs.vision(imgs) if self.graphs is not None else None
+            tokens = self.vision(imgs) if tokens is None else tokens  # graphs off: eager
+            parts.append(tokens.reshape(-1, c.backbone.width).to(self.dtype))
         parts.append(self.backbone.embed(ids))
         n_image = parts[0].shape[0] if present else 0
         return Prefix(torch.cat(parts, dim=0), prompt.truncated, n_image)

@@ -10,6 +10,8 @@ captured function raises, so both fail these tests. The frame loop and the engin
 through the graphs in emulation and give the eager chunks and text.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -209,7 +211,8 @@ def test_denoise_replay_equals_eager_and_survives_restore(mode_model, graphs_on)
         assert torch.equal(want, got)
         chunks.append((n, noise, got))
     assert len({n for n, _, _ in chunks}) == 3  # three prefix lengths, one graph
-    assert len(runner._denoise) == 1 and runner.replays == 3 + 3  # 3 prefills, 3 chunks
+    # 3 prefills, 3 chunks, and the vision tower of the 3 frames' 6 embeddings
+    assert len(runner._denoise) == 1 and runner.replays == 3 + 3 + 6
     # a restore copies into the same arena buffers: the graph still reads them
     ident = identity_of(m, graphed)
     cap = capture("c", graphed, None, ident)
@@ -225,6 +228,29 @@ def test_denoise_replay_equals_eager_and_survives_restore(mode_model, graphs_on)
 def test_denoise_rows_is_a_bucket_within_the_slot():
     assert denoise_rows(1, 512) == 256 and denoise_rows(256, 512) == 256
     assert denoise_rows(257, 512) == 512 and denoise_rows(300, 320) == 320
+
+
+# -- vision ------------------------------------------------------------------------------
+
+
+def test_vision_replay_equals_eager_for_every_camera_count(mode_model, graphs_on):
+    """One graph per camera count, replayed for other images: the eager tower's bytes; an
+    image of the wrong size falls back to the eager tower, which refuses it with its
+    message (nothing captured for it)."""
+    mode, m = mode_model
+    runner = graphs_on(m, GraphRunner(m, m.new_arena(1, 256), mode=mode))
+    v = m.cfg.vision
+    g = torch.Generator().manual_seed(0)
+    for cams in (2, 1, 2):
+        imgs = (torch.rand(cams, 3, v.image_size, v.image_size, generator=g) * 2 - 1)
+        imgs = imgs.to(m.device)
+        got = runner.vision(imgs)
+        assert torch.equal(got, m.vision(imgs)), cams
+    assert sorted(runner._vision) == [1, 2] and runner.replays == 3
+    with pytest.raises(ValueError, match="expected images"):
+        m.embed_prefix(dataclasses.replace(synthetic_observation(m.cfg, 0),
+            images=torch.zeros(m.cfg.num_cameras, 3, v.image_size + 8, v.image_size + 8)))
+    assert sorted(runner._vision) == [1, 2]
 
 
 # -- the frame loop goes through the graphs ----------------------------------------------
