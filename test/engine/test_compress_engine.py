@@ -2,6 +2,7 @@
 tokens, chunks); compressed slots go through capsules byte-exactly, per-layer lengths
 included, and a restored run continues token for token."""
 
+import pytest
 import torch
 
 from embodied_kv.engine.engine import Engine, EngineConfig
@@ -97,3 +98,11 @@ def test_graph_replay_over_compressed_slots_equals_eager(tiny_model):
     assert by[("emulate", False)] == by[("off", False)]
     assert by[("emulate", True)] == by[("off", True)]
     assert by[("off", True)][0] != by[("off", False)][0]  # the expert read fewer rows
+
+
+def test_compression_with_action_tokens_is_refused_with_the_reason():
+    """`ar` mode prefills inside ActionFlow's packed step (no statistics): a budget below 1
+    there fails the config with what to change, instead of being silently ignored."""
+    with pytest.raises(ValueError, match="action_mode 'flow' only"):
+        EngineConfig(action_mode="ar", compress=CompressConfig(budget=0.1))
+    assert not EngineConfig(action_mode="ar", compress=CompressConfig(budget=1.0)).compress.enabled
