@@ -103,11 +103,9 @@ class EngineConfig:
         if self.memory_mode not in MODES:
             raise ValueError(f"memory_mode={self.memory_mode!r}: use one of {MODES}")
         if self.action_mode == "ar" and self.compress.enabled:  # refused, not ignored
-            raise ValueError(
-                f"language.kv_budget={self.compress.budget} (VL-Cache) works with action_mode "
-                "'flow' only: in 'ar' the prefix is prefilled inside ActionFlow's packed step, "
-                "which records no statistics; set kv_budget: 1.0 or action_mode: flow"
-            )
+            raise ValueError(f"language.kv_budget={self.compress.budget} (VL-Cache) works with "
+                             "action_mode 'flow' only: 'ar' prefills inside ActionFlow's packed "
+                             "step, which records no statistics; set kv_budget: 1.0")  # fmt: skip
         if self.max_pending < 1 or self.max_cycle_failures < 1:
             raise ValueError(
                 f"max_pending={self.max_pending} and max_cycle_failures="
