@@ -84,14 +84,21 @@ def run_gpu_check(args: argparse.Namespace) -> int:
     return gpu_check.main(list(args.args))
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
 def run_train(args: argparse.Namespace) -> int:
     from embodied_kv.train.loop import TrainConfig, train
+    from embodied_kv.world.dataset import DataConfig
 
     try:
-        given = {k: getattr(args, k) for k in ("batch", "lr", "threads", "curriculum")}
+        given = {k: getattr(args, k) for k in ("batch", "lr", "threads", "curriculum", "warmup")}
+        data = {k: getattr(args, k) for k in ("memory_objects", "memory_updates", "text_mix")}
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
-            ckpt_every=args.ckpt_every, device=args.device,
+            ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
+            data=DataConfig(**{k: v for k, v in data.items() if v is not None}),
             **{k: v for k, v in given.items() if v is not None},
         )  # fmt: skip
     except ValueError as e:
@@ -154,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ckpt-every", type=int, default=200)
     tr.add_argument("--curriculum", type=int,
                     help="steps of one-hop, unchanging memory facts first")  # fmt: skip
+    tr.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
+    tr.add_argument("--init", help="weights file to start from (fine-tuning); default: fresh")
+    tr.add_argument("--memory-objects", type=int,
+                    help="containers and movables per fact stream: 2 .. this each (default 3)")
+    tr.add_argument("--memory-updates", type=int,
+                    help="fact updates after the initial facts: 0 .. this (default 6)")
+    tr.add_argument("--text-mix", type=_floats,
+                    help="weights of answer,plan,narration,actions samples (default .3,.35,.1,.25)")
     tr.set_defaults(run=run_train)
 
     ev = commands.add_parser("eval", help="behavioural evaluation (`eval world`), no ROS")

@@ -136,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
 
     pre = speed["prefill"]
     print(f"speed ({env.device_name}, {args.preset}, prefix {speed['prefix_rows']} rows of which "
-          f"{speed['image_rows']} image, batch {args.batch}): statistics add "
-          f"{pre['overhead'] * 100:+.1f}% to a {pre['prefill_ms']:.1f} ms prefill")  # fmt: skip
+          f"{speed['image_rows']} image, batch {args.batch}): the recorder adds "
+          f"{pre['overhead'] * 100:+.1f}% to a {pre['prefill_ms']:.1f} ms prefill (the action's "
+          f"path; goal <= 5%), statistics and selection after the expert "
+          f"{pre['overhead_total'] * 100:+.1f}% in all")  # fmt: skip
     print_table(
         ["budget", "rows/layer", "KV KiB", "full KiB", "step ms", "full ms", "step x", "attn x",
          "expert x"],

@@ -62,14 +62,24 @@ def attn_stats_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [τ, Hq, D], k [m, Hkv, D] -> (col_sum [Hq, m] fp32, below [Hq] int64), in fp32."""
     check_stats_inputs(q, k, threshold)
-    rows, hq, d = q.shape
-    m, hkv = k.shape[0], k.shape[1]
-    # the query heads of a KV head as one [g * τ, D] GEMM against that head's keys, no copy of K
-    qg = q.float().reshape(rows, hkv, hq // hkv, d).permute(1, 2, 0, 3).reshape(hkv, -1, d)
-    s = torch.bmm(qg, k.float().permute(1, 2, 0)).view(hq, rows, m) * scale  # [Hq, τ, m]
+    col, below = attn_stats_ref_layers(q[None], k[None], scale, threshold)
+    return col[0], below[0]
+
+
+def attn_stats_ref_layers(
+    q: torch.Tensor, k: torch.Tensor, scale: float, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attn_stats_ref` of B independent (q, k) pairs (a prefill's layers) in one pass:
+    q [B, τ, Hq, D], k [B, m, Hkv, D] -> (col_sum [B, Hq, m] fp32, below [B, Hq] int64)."""
+    b, rows, hq, d = q.shape
+    m, hkv = k.shape[1], k.shape[2]
+    # the query heads of a KV head as one [g * τ, D] GEMM against that head's keys
+    qg = q.float().reshape(b, rows, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4)
+    kt = k.float().permute(0, 2, 3, 1).reshape(b * hkv, d, m)
+    s = torch.bmm(qg.reshape(b * hkv, -1, d), kt).view(b, hq, rows, m) * scale  # [B, Hq, τ, m]
     rel = torch.exp(s - s.amax(-1, keepdim=True))  # p / rowmax
     inv = 1.0 / rel.sum(-1, keepdim=True)
-    return (rel * inv).sum(1), (rel < threshold).sum((1, 2))
+    return (rel * inv).sum(2), (rel < threshold).sum((2, 3))
 
 
 if triton is not None:

@@ -4,8 +4,9 @@ After the prefill of a frame, for every layer:
 
     1. statistics  the attention of chosen query rows (VL-Cache: the post-vision prompt text)
                    over the prefix, per head: column sums and the count of entries below
-                   p * rowmax (kernels/attn_stats.py, computed inside the prefill, which is
-                   the only time the queries exist)
+                   p * rowmax (kernels/attn_stats.py); the prefill keeps the query rows (the
+                   only time they exist), the statistics are computed when a language
+                   request needs the selection, after the action expert
     2. budgets     per layer from its sparsity γ_l (Algorithm 1):
                    b_l = clip((1 - γ_l) / Σ(1 - γ) * α * L, 0.01, 1), then the clipped excess
                    or shortfall refilled over the unclipped layers so every method spends
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kernels.attn_stats import attn_stats_into, stats_workspace
+from embodied_kv.kernels.attn_stats import attn_stats_into, attn_stats_ref_layers, stats_workspace
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.presses import ALL_ROWS, POST_VISION, WINDOW, Press, budget_weights, get_press
 
@@ -90,36 +91,57 @@ class PrefixStats:
 
 
 class StatsRecorder:
-    """The observer of one prefill (GemmaBackbone.forward): per layer, the statistics of the
-    query ranges in `ranges` over the slot's P prefix rows (the prefill's tokens are the
-    step's rows [0, P), VLA.prefill). Each layer writes partials into buffers allocated here,
-    once per frame (one kernel launch per layer and range on CUDA); `stats` reduces them."""
+    """The observer of one prefill (GemmaBackbone.forward). During the prefill it keeps only
+    each layer's query rows of the ranges in `ranges` (one copy per layer and range: the
+    queries exist only then) and the layer's key cache; `stats` computes every layer's
+    statistics over the slot's P prefix rows afterwards, when the rows to keep are chosen
+    (KVCacheManager.selection, after the action expert, and only for a frame that has a
+    language request): on CUDA one kernel launch per layer and range, elsewhere one batched
+    reference over all layers. The action's critical path pays the copies alone."""
 
     def __init__(self, layout: PrefixLayout, slot: int, ranges: dict[str, tuple[int, int]],
-                 layers: int, scale: float, threshold: float, heads: int, device):  # fmt: skip
+                 layers: int, scale: float, threshold: float, heads: int, device,
+                 kernel: bool | None = None):  # fmt: skip
         self.layout, self.slot, self.ranges = layout, slot, ranges
         self.scale, self.threshold = scale, threshold
-        self.work = {name: stats_workspace(b - a, heads, layout.n_rows, device, layers)
-                     for name, (a, b) in ranges.items()}  # fmt: skip
-        self.seen = [False] * layers
+        self.layers, self.heads, self.device = layers, heads, torch.device(device)
+        # the Triton kernel per layer (None: on CUDA; True on CPU needs TRITON_INTERPRET=1)
+        self.kernel = self.device.type == "cuda" if kernel is None else kernel
+        self.queries: dict[str, torch.Tensor] = {}  # range -> [L, rows, Hq, D], at layer 0
+        self.keys: list[torch.Tensor | None] = [None] * layers  # each layer's k_cache
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor) -> None:
-        keys = k_cache[self.slot, : self.layout.n_rows]  # [P, Hkv, D]: written by this layer
         for name, (a, b) in self.ranges.items():
-            colsum, below = self.work[name]
-            attn_stats_into(q[a:b], keys, self.scale, self.threshold, colsum[layer], below[layer])
-        self.seen[layer] = True
+            if name not in self.queries:
+                self.queries[name] = q.new_empty(self.layers, b - a, *q.shape[1:])
+            self.queries[name][layer].copy_(q[a:b])
+        self.keys[layer] = k_cache  # [S, T, Hkv, D]: rows [0, P) of the slot are this layer's
 
     def stats(self) -> PrefixStats:
-        if not all(self.seen):
+        """Per range and layer, the column sums over the prefix rows (summed over heads), and
+        the post-vision sparsity; the slot must still hold the prefix the prefill wrote."""
+        if any(k is None for k in self.keys):
             raise RuntimeError("the prefill did not run every layer through the recorder")
-        scores = {name: w[0].sum((1, 2)) for name, w in self.work.items()}  # [L, P]
-        sparsity = None
-        if POST_VISION in self.ranges:
-            a, b = self.ranges[POST_VISION]
-            below = self.work[POST_VISION][1].sum(1, dtype=torch.int64)  # [L, Hq]
-            sparsity = (below.double() / ((b - a) * self.layout.n_rows)).mean(1).cpu()
+        n = self.layout.n_rows
+        keys = torch.stack([k[self.slot, :n] for k in self.keys])  # [L, P, Hkv, D]
+        scores, sparsity = {}, None
+        for name, q in self.queries.items():
+            colsum, below = self._layers(q, keys)  # [L, Hq, P], [L, Hq]
+            scores[name] = colsum.sum(1)
+            if name == POST_VISION:
+                a, b = self.ranges[name]
+                sparsity = (below.double() / ((b - a) * n)).mean(1).cpu()
         return PrefixStats(scores, sparsity)
+
+    def _layers(self, q: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.kernel:
+            return attn_stats_ref_layers(q, keys, self.scale, self.threshold)
+        colsum, below = stats_workspace(q.shape[1], self.heads, keys.shape[1], self.device,
+                                        self.layers, kernel=True)  # fmt: skip
+        for layer in range(self.layers):
+            attn_stats_into(q[layer], keys[layer], self.scale, self.threshold, colsum[layer],
+                            below[layer])  # fmt: skip
+        return colsum.sum(1), below.sum(1, dtype=torch.int64)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from embodied_kv.model.vla import build_model
-from embodied_kv.model.weights import save_weights
+from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.losses import compute_losses
 from embodied_kv.train.tokenizer import save_tokenizer
@@ -52,6 +52,9 @@ class TrainConfig:
     # steps of the easy phase: one-hop memory queries over facts that never change (the
     # issue: associative recall sits at chance for long without a curriculum); 0 = none
     curriculum: int = 600
+    # a weights file of the same preset to start from (fine-tuning, e.g. on longer memory
+    # streams); "" = fresh init from cfg.seed. The patch head starts fresh either way.
+    init: str = ""
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self):
@@ -62,6 +65,8 @@ class TrainConfig:
             raise ValueError(f"bad train config: {self}")
         if self.curriculum < 0:
             raise ValueError(f"curriculum={self.curriculum} steps must be >= 0")
+        if self.init and not Path(self.init).is_file():
+            raise ValueError(f"init weights {self.init} do not exist")
         if not 0 <= self.seed < 2**15:
             raise ValueError(f"seed {self.seed} must be in [0, 32768)")
 
@@ -104,6 +109,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                          "patch": mcfg.vision.patch_size,
                          "horizon": mcfg.action_horizon})  # fmt: skip
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
+    if cfg.init:
+        load_weights(model, cfg.init)  # ValueError naming the mismatch: nothing trained
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     head = None

@@ -32,8 +32,10 @@ from embodied_kv.world.questions import sample_question
 from embodied_kv.world.render import observation_images, patch_labels
 from embodied_kv.world.scene import ACTION_DIM, make_scene
 from embodied_kv.world.tasks import sample_task
+from embodied_kv.world.vocab import COLOURS, CONTAINERS
 
 TEXT_KINDS = ("answer", "plan", "narration", "actions")
+MAX_OBJECTS = len(COLOURS) * len(CONTAINERS)  # distinct containers the vocabulary names
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,8 @@ class DataConfig:
             raise ValueError(f"shares must be in [0, 1]: {self}")
         if self.horizon < 1 or self.max_rollout < 0 or self.memory_updates < 0:
             raise ValueError(f"bad data config: {self}")
-        if self.turns < 1 or self.memory_objects < 2:
-            raise ValueError(f"turns >= 1 and memory_objects >= 2: {self}")
+        if self.turns < 1 or not 2 <= self.memory_objects <= MAX_OBJECTS:
+            raise ValueError(f"turns >= 1 and memory_objects in [2, {MAX_OBJECTS}]: {self}")
 
 
 @dataclass(frozen=True)

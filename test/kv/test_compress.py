@@ -9,6 +9,7 @@ from embodied_kv.kv.compress import (
     CompressConfig,
     PrefixLayout,
     Selection,
+    StatsRecorder,
     allocate,
     compact,
     fill_budgets,
@@ -143,6 +144,42 @@ def test_vlcache_keeps_the_best_post_vision_scored_rows(model):
         dropped = torch.ones(layout.n_image, dtype=torch.bool)
         dropped[img] = False
         assert score[img].min() >= score[dropped].max()
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_deferred_statistics_equal_each_layers_attention(model, kernel):
+    """The prefill only keeps each layer's query rows; `stats` afterwards (one batched
+    reference, or the Triton kernel per layer as on CUDA, here under the interpreter)
+    equals the attention statistics of those rows over that layer's prefix keys."""
+    from embodied_kv.kernels.attn_stats import attn_stats_ref
+    from embodied_kv.kernels.triton_base import INTERPRETED
+    from embodied_kv.kv.presses import ALL_ROWS, WINDOW
+
+    if kernel and not INTERPRETED:
+        pytest.skip("no Triton interpreter")
+    m = KVCacheManager(model, 4, MAX_LEN)
+    prefix = model.embed_prefix(synthetic_observation(model.cfg, 3, "open the drawer"))
+    layout = PrefixLayout(prefix.embeds.shape[0], prefix.n_image)
+    ranges = {n: layout.query_rows(n, 5) for n in (POST_VISION, ALL_ROWS, WINDOW)}
+    slot, b = m.arena.allocate(), model.cfg.backbone
+    seen = []
+
+    def spy(layer, q, k_cache):  # what the recorder is given, for the reference below
+        seen.append((q[: layout.n_rows].clone(), k_cache[slot, : layout.n_rows].clone()))
+        rec(layer, q, k_cache)
+
+    rec = StatsRecorder(layout, slot, ranges, b.layers, model.backbone.scale, 0.01, b.heads,
+                        model.device, kernel=kernel)  # fmt: skip
+    model.prefill(m.arena, slot, prefix, observer=spy)
+    assert rec.queries[ALL_ROWS].shape[:2] == (b.layers, layout.n_rows)
+    stats = rec.stats()
+    for name, (a, z) in ranges.items():
+        for layer, (q, k) in enumerate(seen):
+            col, below = attn_stats_ref(q[a:z], k, model.backbone.scale, 0.01)
+            torch.testing.assert_close(stats.scores[name][layer], col.sum(0))
+            if name == POST_VISION:
+                want = (below.double() / ((z - a) * layout.n_rows)).mean()
+                assert abs(float(stats.sparsity[layer]) - float(want)) < 1e-12
 
 
 def test_decode_after_compression_equals_a_cache_of_only_those_rows(model):

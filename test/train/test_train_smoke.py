@@ -91,3 +91,28 @@ def test_minutes_budget_stops_on_time_and_anneals_by_time(tmp_path):
     assert run_done(cfg, 50, 60.0) == 0.5 and run_done(cfg, 10, 300.0) == 0.5
     assert lr_at(cfg, 0, 0.0) == 0.1 and lr_at(cfg, 20, 0.0) == 1.0
     assert lr_at(cfg, 99, 1.0) == pytest.approx(0.1)
+
+
+def test_fine_tuning_starts_from_the_given_weights(tmp_path):
+    """--init: step 0 of a fine-tune sees the loaded weights (its loss equals the loss of
+    those weights on step 0's batch, far below a fresh init's), and the CLI passes the
+    memory-stream flags through to the data."""
+    base = tmp_path / "base"
+    train(TrainConfig(out=str(base), steps=24, batch=6, lr=3e-3, warmup=4), progress=False)
+    runs = {}
+    for name, init in (("fresh", ""), ("tuned", str(base / WEIGHTS_FILE))):
+        cfg = TrainConfig(out=str(tmp_path / name), steps=1, batch=6, init=init, curriculum=0,
+                          data=DataConfig(memory_objects=8, memory_updates=24))  # fmt: skip
+        runs[name] = train(cfg, progress=False)[0]["loss"]
+    assert runs["tuned"] < 0.6 * runs["fresh"], runs
+    with pytest.raises(ValueError, match="do not exist"):
+        TrainConfig(steps=1, init=str(tmp_path / "none.safetensors"))
+    with pytest.raises(ValueError, match="memory_objects"):
+        DataConfig(memory_objects=9)  # the vocabulary names 8 distinct containers
+    out = tmp_path / "cli"
+    argv = ["train", "--steps", "1", "--batch", "2", "--out", str(out), "--init",
+            str(base / WEIGHTS_FILE), "--memory-objects", "8", "--memory-updates", "30",
+            "--text-mix", "0.25,0.5,0.05,0.2"]
+    assert main(argv) == 0 and (out / WEIGHTS_FILE).is_file()
+    assert main(["train", "--steps", "1", "--memory-objects", "99"]) == 2
+    assert main(["train", "--steps", "1", "--text-mix", "1,0"]) == 2  # four weights
