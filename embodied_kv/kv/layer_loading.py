@@ -109,6 +109,9 @@ class LayerLoader:
         self.stream = torch.cuda.Stream(arena.device) if self.cuda else None
         self.events: dict[int, torch.cuda.Event] = {}  # layer -> after its last copy
         self.pending: dict[int, list[int]] = {}  # layer -> units copied, not yet rotated
+        # per unit, built once: its slot rows and each row's re-rotation distance
+        self.rows = [torch.arange(s.slot_row, s.slot_row + s.n) for s in sources]
+        self.deltas = [torch.full((s.n,), s.delta) for s in sources]
 
     def issue(self, i: int, active: set[int]) -> None:
         copies = self.schedule.issue(i, active)
@@ -139,7 +142,7 @@ class LayerLoader:
                 event = self.events.setdefault(layer, torch.cuda.Event())
                 event.record(self.stream)
                 continue
-            rows = torch.tensor([r for s in srcs for r in range(s.slot_row, s.slot_row + s.n)])
+            rows = torch.cat([self.rows[c.unit] for c in copies if c.layer == layer])
             for cache, part in ((k, "k"), (v, "v")):
                 got = [getattr(s.block, part)[layer, s.block_row : s.block_row + s.n] for s in srcs]
                 cache[layer, self.slot].index_copy_(0, rows, torch.cat(got))
@@ -151,10 +154,8 @@ class LayerLoader:
         units = self.pending.pop(i, [])
         if not units:
             return
-        srcs = [self.sources[u] for u in units]
-        rows = [r for s in srcs for r in range(s.slot_row, s.slot_row + s.n)]
-        delta = [s.delta for s in srcs for _ in range(s.n)]
         dev = self.arena.device
-        rows_t = torch.tensor(rows, device=dev)
+        rows = torch.cat([self.rows[u] for u in units]).to(dev)
+        delta = torch.cat([self.deltas[u] for u in units]).to(dev)
         k = self.arena.k[i, self.slot]  # [T, Hkv, D]
-        k[rows_t] = rerotate(self.rope, k[rows_t], torch.tensor(delta, device=dev)).to(k.dtype)
+        k[rows] = rerotate(self.rope, k[rows], delta).to(k.dtype)

@@ -95,24 +95,17 @@ class KeepSelector:
 
     def _multi_hop(self, view, lay, spans, cand: list[int], k: int) -> set[int]:
         """Query attention, then hops: what the set attends to adds to the score. A
-        segment attends through its last token (it has read the whole segment): one
-        attention row per segment, computed the first time the segment is in a set."""
+        segment attends through its last token (it has read the whole segment); the
+        query rows and every candidate's last token are scored in one pass per layer."""
         row = {t: j for j, t in enumerate(view.tokens)}
         cs = [spans[s] for s in cand]
         query = [row[t] for t in range(lay.query_start, lay.n)]
-        q_mass = attention_mass(view, query, cs).mean(0).cpu()  # [C]
-        rows: dict[int, torch.Tensor] = {}  # candidate -> its last token's mass [C]
-
-        def from_set(chosen: set[int]) -> torch.Tensor:
-            need = sorted(c for c in chosen if c not in rows)
-            if need:
-                last = [row[cs[c][0] + cs[c][1] - 1] for c in need]
-                rows.update(zip(need, attention_mass(view, last, cs).cpu(), strict=True))
-            return sum(rows[c] for c in chosen) / len(chosen)
-
+        last = [row[a + n - 1] for a, n in cs] if self.cfg.hops else []
+        mass = attention_mass(view, query + last, cs).cpu()  # [len(query) + C, C]
+        q_mass, rows = mass[: len(query)].mean(0), mass[len(query) :]
         chosen = _top(q_mass, k)
         for _ in range(self.cfg.hops):
-            new = _top(q_mass + from_set(chosen), k)
+            new = _top(q_mass + rows[sorted(chosen)].mean(0), k)
             if new == chosen:
                 break
             chosen = new

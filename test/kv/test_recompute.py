@@ -121,9 +121,10 @@ def test_multi_hop_selection_is_a_fixed_point_and_one_hop_is_the_query_alone(wor
         row = {t: j for j, t in enumerate(view.tokens)}
         query = [row[t] for t in range(lay.query_start, lay.n)]
         cs = [lay.segments()[c] for c in cand]
-        q_mass = selectors.attention_mass(view, query, cs).mean(0)
-        last = [row[a + n - 1] for j, (a, n) in enumerate(cs) if cand[j] in chosen]
-        score = q_mass + selectors.attention_mass(view, last, cs).mean(0)
+        last = [row[a + n - 1] for a, n in cs]  # every candidate's last token, one pass
+        mass = selectors.attention_mass(view, query + last, cs)
+        mine = [j for j in range(len(cand)) if cand[j] in chosen]
+        score = mass[: len(query)].mean(0) + mass[len(query) :][mine].mean(0)
         assert {cand[j] for j in selectors._top(score, k)} == chosen  # stable under re-scoring
     for view, cand, k, chosen in seen[0]:
         row = {t: j for j, t in enumerate(view.tokens)}
