@@ -18,6 +18,8 @@ and the method appends header + memory + query (kv/memory_methods.py):
                  (off the request's path on a robot: when an update arrives)
     one_hop, two_hop   answer accuracy (the decoded word before EOS)
     agree        share of the first 32 greedy tokens equal to full recomputation's
+    same_answer  share of requests whose first token (the answer word) equals full
+                 recomputation's: whether a method changes the answer, right or wrong
 
 The trained world model (`--weights`, default the shipped one when present) gives
 the accuracy rows; random weights measure speed only. The model is trained on streams
@@ -114,7 +116,7 @@ def run_segments(model, n: int, args, device: str) -> dict:
     compute = lambda texts: compute_block(model, arena, work, texts)  # noqa: E731
     clock = device_clock(device)
     out = {m.name: {"ttft": [], "one_hop": [], "two_hop": [], "agree": [], "active": [],
-                    "share": []} for m in family}  # fmt: skip
+                    "share": [], "same_answer": []} for m in family}  # fmt: skip
     refresh = {"grouped": [], "chunks": []}
     for _ in range(WARM_UPDATES):
         update(stream, grouped, chunks, n)
@@ -159,6 +161,7 @@ def run_segments(model, n: int, args, device: str) -> dict:
             row["one_hop" if hops == 1 else "two_hop"].append(answer(model, tokens) == truth)
             same = [a == b for a, b in zip(tokens, reference, strict=True)]
             row["agree"].append(float(np.mean(same)))
+            row["same_answer"].append(tokens[0] == reference[0])
             if stats is not None:
                 row["active"].append(stats.active)
     return {"methods": out, "refresh": refresh, "static_groups": sum(
@@ -188,6 +191,7 @@ def summarise(n: int, raw: dict) -> list[dict]:
             "one_hop": float(np.mean(s["one_hop"])) if s["one_hop"] else float("nan"),
             "two_hop": float(np.mean(s["two_hop"])) if s["two_hop"] else float("nan"),
             "agree": float(np.mean(s["agree"])),
+            "same_answer": float(np.mean(s["same_answer"])),
             "compute_share": float(np.mean(s["share"])),  # token-layers computed / full's
             "active_per_layer": active,
         })  # fmt: skip
@@ -217,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="trained world weights (tokenizer.json beside); default: the shipped "
                    "ones when present, else random weights (speed only)")  # fmt: skip
     p.add_argument("--segments", default=",".join(map(str, SEGMENTS)))
-    p.add_argument("--requests", type=int, default=40, help="plan requests per segment count")
+    p.add_argument("--requests", type=int, default=100,
+                   help="plan requests per segment count (half one-hop, half two-hop)")
     p.add_argument("--updates", type=int, default=2, help="memory updates before each request")
     p.add_argument("--window", type=int, default=10, help="KEEP t")
     p.add_argument("--seed", type=int, default=0)
@@ -232,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += summarise(n, raw)
         extra[str(n)] = {k: raw[k] for k in ("static_groups", "groups", "counters")}
     keys = ["ttft_ms", "speedup_vs_full", "compute_share", "refresh_ms", "one_hop", "two_hop",
-            "agree"]  # fmt: skip
+            "agree", "same_answer"]  # fmt: skip
     print_table(["N", "method", *keys], [[r["segments"], r["method"], *[r[k] for k in keys]]
                                          for r in rows])  # fmt: skip
     line = verdict(rows, bool(args.weights))

@@ -21,7 +21,8 @@ def test_keep_bench_rows_are_complete_and_the_exact_methods_agree(tmp_path, caps
         assert row["ttft_ms"] > 0 and row["speedup_vs_full"] > 0 and 0 <= row["agree"] <= 1
         assert 0 < row["compute_share"] <= 1
         if row["method"] in ("full", "prefix"):  # exact: the same tokens as full recomputation
-            assert row["agree"] == 1.0
+            assert row["agree"] == 1.0 and row["same_answer"] == 1.0
+        assert 0 <= row["same_answer"] <= 1
         if row["method"].startswith("keep"):
             active = row["active_per_layer"]
             assert active == sorted(active, reverse=True) and active[0] > active[-1]
