@@ -94,7 +94,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         given = {k: getattr(args, k) for k in ("batch", "lr", "threads", "curriculum", "warmup")}
-        data = {k: getattr(args, k) for k in ("memory_objects", "memory_updates", "text_mix")}
+        data = {k: getattr(args, k)
+                for k in ("memory_objects", "memory_updates", "memory_hard", "text_mix")}
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
             ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
@@ -167,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="containers and movables per fact stream: 2 .. this each (default 3)")
     tr.add_argument("--memory-updates", type=int,
                     help="fact updates after the initial facts: 0 .. this (default 6)")
+    tr.add_argument("--memory-hard", type=float,
+                    help="share of memory queries where copying the last named place is wrong")
     tr.add_argument("--text-mix", type=_floats,
                     help="weights of answer,plan,narration,actions samples (default .3,.35,.1,.25)")
     tr.set_defaults(run=run_train)

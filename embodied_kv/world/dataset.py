@@ -49,6 +49,9 @@ class DataConfig:
     two_hop_share: float = 0.5  # of plan queries
     memory_updates: int = 6  # fact updates after the initial facts: 0 .. this, uniform
     memory_objects: int = 3  # containers and movables in a fact stream: 2 .. this each
+    # share of memory queries whose answer is not the last place the facts name (there
+    # the recency shortcut, copying that place, is wrong); 0 = as the queries come
+    memory_hard: float = 0.0
     max_rollout: int = 20  # expert steps before the sampled observation
     perturb: float = 0.3  # share of rollouts that start with random actions (recovery)
 
@@ -58,7 +61,7 @@ class DataConfig:
         ) <= 0:
             raise ValueError(f"text_mix {self.text_mix} needs {len(TEXT_KINDS)} weights >= 0, "
                              f"not all 0 ({TEXT_KINDS})")  # fmt: skip
-        if not 0 <= self.two_hop_share <= 1 or not 0 <= self.perturb <= 1:
+        if not all(0 <= x <= 1 for x in (self.two_hop_share, self.perturb, self.memory_hard)):
             raise ValueError(f"shares must be in [0, 1]: {self}")
         if self.horizon < 1 or self.max_rollout < 0 or self.memory_updates < 0:
             raise ValueError(f"bad data config: {self}")
@@ -111,7 +114,7 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         hops = [2 if rng.random() < cfg.two_hop_share else 1 for _ in range(cfg.turns)]
         n_c, n_m = (int(rng.integers(2, cfg.memory_objects + 1)) for _ in range(2))
         updates = int(rng.integers(0, cfg.memory_updates + 1))
-        queries = sample_queries(rng, hops, n_c, n_m, updates)
+        queries = sample_queries(rng, hops, n_c, n_m, updates, cfg.memory_hard)
         turns = [(q.prompt if i == 0 else q.follow_up, q.answer) for i, q in enumerate(queries)]
     elif kind == "narration":
         turns = [("", narrate(phase, task))]

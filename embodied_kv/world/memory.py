@@ -83,19 +83,28 @@ def sample_queries(
     n_containers: int = 2,
     n_movables: int = 2,
     n_updates: int = 1,
+    hard: float = 0.0,
 ) -> list[MemoryQuery]:
     """One fact stream and a query per entry of `hops` over it (training asks several
-    about the same facts: more answers per prefill)."""
+    about the same facts: more answers per prefill). A share `hard` of the queries asks
+    about a subject whose answer is not the last place the facts name, where copying that
+    place (the recency shortcut) is wrong (0: no draws for it, the stream as before)."""
     if not hops or any(h not in (1, 2) for h in hops):
         raise ValueError(f"hops={hops}; only 1 and 2 are defined")
     facts, place, holder = fact_stream(rng, n_containers, n_movables, n_updates)
+    last = [f.split()[-2] for f in facts if " is on the " in f][-1]
     out = []
     for h in hops:
+        avoid = hard > 0 and rng.random() < hard
         if h == 1:
-            c = sorted(place)[rng.integers(len(place))]
+            pool = sorted(place)
+            pool = [c for c in pool if place[c] != last] or pool if avoid else pool
+            c = pool[rng.integers(len(pool))]
             out.append(MemoryQuery(1, tuple(facts), f"where is the {c} ?", place[c]))
         else:
-            m = sorted(holder)[rng.integers(len(holder))]
+            pool = sorted(holder)
+            pool = [m for m in pool if place[holder[m]] != last] or pool if avoid else pool
+            m = pool[rng.integers(len(pool))]
             out.append(MemoryQuery(2, tuple(facts), f"where is the {m} ?", place[holder[m]]))
     return out
 

@@ -100,3 +100,24 @@ def test_several_queries_share_one_fact_stream():
     qs = sample_queries(np.random.default_rng(3), [1, 2, 2, 1], 3, 3, 4)
     assert len({q.facts for q in qs}) == 1 and [q.hops for q in qs] == [1, 2, 2, 1]
     assert qs[0].prompt.endswith(qs[0].follow_up) and qs[1].follow_up.startswith("\nQuery: ")
+
+
+def test_hard_queries_defeat_the_recency_shortcut_and_zero_changes_nothing():
+    """memory_hard: a hard query's answer is never the last place the facts name (when a
+    subject like that exists); hard = 0 draws nothing extra: the same queries as before."""
+    shortcut_right = 0
+    for seed in range(40):
+        plain = sample_queries(np.random.default_rng(seed), [1, 2, 1], 3, 3, 5)
+        assert plain == sample_queries(np.random.default_rng(seed), [1, 2, 1], 3, 3, 5, 0.0)
+        for q in sample_queries(np.random.default_rng(seed), [1, 2, 1, 2], 3, 3, 5, hard=1.0):
+            place, holder = {}, {}  # the latest facts
+            for w in (f.split() for f in q.facts):
+                if w[4] in ("on", "in"):
+                    (place if w[4] == "on" else holder)[f"{w[1]} {w[2]}"] = " ".join(w[6:-1])
+            last = [f.split()[-2] for f in q.facts if " is on the " in f][-1]
+            answers = set(place.values()) if q.hops == 1 else {place[c] for c in holder.values()}
+            shortcut_right += q.answer == last
+            assert q.answer != last or answers == {last}  # only if no other answer exists
+    assert shortcut_right <= 8  # of 160 queries: streams whose places are all one place
+    with pytest.raises(ValueError, match="shares"):
+        DataConfig(memory_hard=1.5)
