@@ -128,11 +128,12 @@ class LayerLoader:
         """CUDA: one async copy per segment from pinned memory on the copy stream. CPU:
         one gather and one indexed write per layer (the copies are the host's own work)."""
         k, v = self.arena.k, self.arena.v
-        by_layer: dict[int, list[Source]] = {}
+        by_layer: dict[int, list[int]] = {}  # layer -> units, in issue order
         for c in copies:
-            by_layer.setdefault(c.layer, []).append(self.sources[c.unit])
+            by_layer.setdefault(c.layer, []).append(c.unit)
             self.pending.setdefault(c.layer, []).append(c.unit)
-        for layer, srcs in by_layer.items():
+        for layer, units in by_layer.items():
+            srcs = [self.sources[u] for u in units]
             if self.cuda:
                 for s in srcs:
                     dst = slice(s.slot_row, s.slot_row + s.n)
@@ -142,7 +143,7 @@ class LayerLoader:
                 event = self.events.setdefault(layer, torch.cuda.Event())
                 event.record(self.stream)
                 continue
-            rows = torch.cat([self.rows[c.unit] for c in copies if c.layer == layer])
+            rows = torch.cat([self.rows[u] for u in units])
             for cache, part in ((k, "k"), (v, "v")):
                 got = [getattr(s.block, part)[layer, s.block_row : s.block_row + s.n] for s in srcs]
                 cache[layer, self.slot].index_copy_(0, rows, torch.cat(got))
