@@ -50,6 +50,7 @@ from embodied_kv.kv.capsule_store import CapsuleInfo, CapsuleStore, StoreConfig
 from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.kv.manager import KVCacheManager, Status, TaskKind
 from embodied_kv.kv.memory import MemoryConfig, SegmentMemory
+from embodied_kv.kv.selectors import KeepConfig
 from embodied_kv.model.action_space import RobotIO
 from embodied_kv.model.action_tokens import (
     ActionTokenConfig,
@@ -94,6 +95,7 @@ class EngineConfig:
     compress: CompressConfig = field(default_factory=CompressConfig)  # VL-Cache (language.kv_*)
     memory_mode: str = "keep"  # plans read memory as cached KV (KEEP) | "full": as text
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # KEEP window t, grouping
+    keep: KeepConfig = field(default_factory=KeepConfig)  # KEEP recompute ratios r_i, hops
 
     def __post_init__(self):
         if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:
@@ -173,7 +175,7 @@ class Engine:
             self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
         self.policy = self.loop.policy
         self.memory = SegmentMemory(cfg.memory, embedder(self.model))
-        self.planner = MemoryPlanner(self.model, self.memory, cfg.memory_mode)
+        self.planner = MemoryPlanner(self.model, self.memory, cfg.memory_mode, cfg.keep)
         self.loop.planner = self.planner
         self.store = CapsuleStore(cfg.store, self.model.device)
         if graph_mode is None:

@@ -17,6 +17,7 @@ from embodied_kv.engine.engine import EngineConfig
 from embodied_kv.kv.capsule_store import StoreConfig
 from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.kv.memory import MemoryConfig
+from embodied_kv.kv.selectors import KeepConfig
 from embodied_kv.model.action_tokens import ActionTokenConfig
 from embodied_kv.model.robot_loader import RobotSpec
 
@@ -95,6 +96,9 @@ MEMORY_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("memory.mode", "keep", "keep (memory as cached KV, KEEP) | full (as text)"),
     ParamSpec("memory.window", 10, "KEEP t: updates without a change before a group is static"),
     ParamSpec("memory.group_threshold", 0.9, "cosine to join a group when none is given"),
+    ParamSpec("memory.keep_first_ratio", 0.5, "KEEP r_1: segments recomputed at layer 1"),
+    ParamSpec("memory.keep_last_ratio", 0.2, "KEEP r at the last layer (linear in between)"),
+    ParamSpec("memory.keep_hops", 3, "KEEP multi-hop rounds (0: the query's attention alone)"),
 )
 ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS + MEMORY_PARAMS
 
@@ -158,6 +162,11 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
         memory=MemoryConfig(
             window=_int(get, "memory.window"),
             group_threshold=_float(get, "memory.group_threshold"),
+        ),
+        keep=KeepConfig(
+            first_ratio=_float(get, "memory.keep_first_ratio"),
+            last_ratio=_float(get, "memory.keep_last_ratio"),
+            hops=_int(get, "memory.keep_hops"),
         ),
     )
 

@@ -7,7 +7,6 @@ import torch
 from embodied_kv.engine.engine import EPISODE_START, Engine, EngineConfig
 from embodied_kv.kv.manager import Status
 from embodied_kv.kv.memory import MemoryConfig, MemoryOp
-from embodied_kv.kv.memory_methods import keep
 from embodied_kv.kv.selectors import KeepConfig
 from embodied_kv.model.synthetic import synthetic_observation
 
@@ -43,11 +42,13 @@ def plan(engine, goal="where is the blue key ?"):
 
 def test_keep_recomputing_everything_plans_the_same_tokens_as_full(tiny_model):
     full = make_engine(tiny_model, "full")
-    everything = make_engine(tiny_model)
-    everything.planner.method = keep(KeepConfig(ratios=(1.0,) * tiny_model.cfg.backbone.layers))
+    layers = tiny_model.cfg.backbone.layers
+    everything = make_engine(tiny_model, keep=KeepConfig(ratios=(1.0,) * layers))  # the config
     a, b = plan(full), plan(everything)
     assert a.status is b.status is Status.OK and a.text == b.text
     assert everything.planner.fallbacks == 0 and everything.memory.blocks  # read as KV
+    active = everything.planner.method.stats.active
+    assert active == [active[0]] * layers  # every token at every layer: the ratios arrived
 
 
 def test_default_keep_plans_from_cached_blocks_after_updates(tiny_model):
