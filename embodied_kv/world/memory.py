@@ -94,18 +94,13 @@ def sample_queries(
     facts, place, holder = fact_stream(rng, n_containers, n_movables, n_updates)
     last = [f.split()[-2] for f in facts if " is on the " in f][-1]
     out = []
+    answers = {1: place, 2: {m: place[c] for m, c in holder.items()}}  # subject -> place
     for h in hops:
-        avoid = hard > 0 and rng.random() < hard
-        if h == 1:
-            pool = sorted(place)
-            pool = [c for c in pool if place[c] != last] or pool if avoid else pool
-            c = pool[rng.integers(len(pool))]
-            out.append(MemoryQuery(1, tuple(facts), f"where is the {c} ?", place[c]))
-        else:
-            pool = sorted(holder)
-            pool = [m for m in pool if place[holder[m]] != last] or pool if avoid else pool
-            m = pool[rng.integers(len(pool))]
-            out.append(MemoryQuery(2, tuple(facts), f"where is the {m} ?", place[holder[m]]))
+        pool = sorted(answers[h])
+        if hard > 0 and rng.random() < hard:
+            pool = [s for s in pool if answers[h][s] != last] or pool
+        s = pool[rng.integers(len(pool))]
+        out.append(MemoryQuery(h, tuple(facts), f"where is the {s} ?", answers[h][s]))
     return out
 
 
