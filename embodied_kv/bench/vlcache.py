@@ -16,7 +16,7 @@ kept over all layers (the prompt text is always kept, by every method), at
               scenes (bench/vlcache_fidelity.py): the trained model with --weights, else the
               long random world
     qa        with --weights: scene-question accuracy through the Engine per method and
-              budget (eval/world.py question_accuracy), then the acceptance verdict:
+              budget (eval/world.py question_results, the same questions for every row), then the acceptance verdict:
               vlcache at 10% within 3 points of full, and >= every other method at 5% and 10%
 """
 
@@ -27,10 +27,12 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from embodied_kv.bench import harness, vlcache_fidelity, vlcache_speed
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.engine import Engine
-from embodied_kv.eval.world import EvalConfig, make_engine, question_accuracy
+from embodied_kv.eval.world import EvalConfig, accuracy_of, make_engine, question_results
 from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.kv.presses import PRESSES
 from embodied_kv.model.config import get_preset
@@ -53,7 +55,7 @@ def parse(argv):
     p.add_argument("--weights", default=str(SHIPPED) if SHIPPED.is_file() else "",
                    help="trained world weights (QA rows); default: the shipped file if present")
     p.add_argument("--tokenizer", default="", help="default: tokenizer.json beside the weights")
-    p.add_argument("--questions", type=int, default=None, help="QA questions (60; quick 12)")
+    p.add_argument("--questions", type=int, default=None, help="QA questions (1000; quick 12)")
     p.add_argument("--scenes", type=int, default=None, help="fidelity scenes (12; quick 3)")
     p.add_argument("--cameras", type=int, default=3, help="cameras of the long random world")
     p.add_argument("--image-size", type=int, default=None, help="its image size (96; quick 64)")
@@ -62,7 +64,7 @@ def parse(argv):
     p.add_argument("--batch", type=int, default=4, help="language requests per decode step")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (9; quick 5)")
     args = harness.parse(p, argv)
-    args.questions = args.questions if args.questions is not None else (12 if args.quick else 60)
+    args.questions = args.questions if args.questions is not None else (12 if args.quick else 1000)
     args.scenes = args.scenes if args.scenes is not None else (3 if args.quick else 12)
     args.image_size = args.image_size or (64 if args.quick else 96)
     args.repeats = args.repeats or (5 if args.quick else 9)
@@ -90,8 +92,9 @@ def speed_model(args, world):
     return world, vlcache_fidelity.world_prompts(world, 1)[0].prefix
 
 
-def qa_rows(model, methods, budgets, questions: int) -> dict[str, float]:
-    """Scene-question accuracy through the Engine per method@budget (and full@1)."""
+def qa_rows(model, methods, budgets, questions: int) -> dict[str, list[tuple[str, bool]]]:
+    """Scene-question outcomes through the Engine per method@budget (and full@1): (kind,
+    right) per question, the same questions in the same order for every row."""
     cfg = EvalConfig(episodes=0, questions=questions, memory=0)
     base = make_engine(model, cfg).cfg  # eval world's engine settings, compression added
     out = {}
@@ -99,21 +102,35 @@ def qa_rows(model, methods, budgets, questions: int) -> dict[str, float]:
         for budget in budgets if method != "full" else [1.0]:
             compress = CompressConfig(budget=budget, method=method)
             engine = Engine(dataclasses.replace(base, compress=compress), model=model)
-            out[f"{method}@{budget:g}"] = question_accuracy(engine, cfg)["qa"]
+            out[f"{method}@{budget:g}"] = question_results(engine, cfg)
     return out
 
 
-def verdict(qa: dict[str, float]) -> tuple[bool, str]:
+def paired_loss(full: list[tuple[str, bool]], ours: list[tuple[str, bool]]) -> tuple[float, float]:
+    """Points lost against the full cache over the same questions, and the standard error
+    of that paired difference (only questions where the two disagree move it)."""
+    d = np.array([float(a) - float(b) for (_, a), (_, b) in zip(full, ours, strict=True)])
+    se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return float(d.mean()) * 100, se * 100
+
+
+def verdict(qa: dict[str, float], outcomes: dict | None = None) -> tuple[bool, str]:
     """The acceptance: vlcache at 10% within 3 points of full; >= every other method at 5%
-    and 10% (the losing rows named)."""
-    full, ours = qa["full@1"], qa[f"vlcache@{ACCEPT_BUDGET:g}"]
+    and 10% (the losing rows named). With the per-question `outcomes`, the line also gives
+    the paired standard error of the points lost (the gate itself is the point estimate)."""
+    key = f"vlcache@{ACCEPT_BUDGET:g}"
+    full, ours = qa["full@1"], qa[key]
     close = (full - ours) * 100 <= ACCEPT_POINTS
+    se = ""
+    if outcomes:
+        se = f" ± {paired_loss(outcomes['full@1'], outcomes[key])[1]:.1f} SE"
     others = [m for m in METHODS if m not in ("full", "vlcache")]
     losses = [f"{m}@{b:g} {qa[f'{m}@{b:g}']:.3f} > vlcache {qa[f'vlcache@{b:g}']:.3f}"
               for b in WIN_BUDGETS for m in others if qa[f"{m}@{b:g}"] > qa[f"vlcache@{b:g}"]]
     ok = close and not losses
+    n = f", {len(outcomes['full@1'])} questions" if outcomes else ""
     line = (f"VERDICT {'PASS' if ok else 'FAIL'}: vlcache@10% QA {ours:.3f} vs full {full:.3f} "
-            f"({(full - ours) * 100:+.1f} points lost, need <= {ACCEPT_POINTS:g}: "
+            f"({(full - ours) * 100:+.1f}{se} points lost{n}, need <= {ACCEPT_POINTS:g}: "
             f"{'ok' if close else 'no'}); vs every other method at 5%/10%: "
             f"{'ok' if not losses else 'loses to ' + '; '.join(losses)}")  # fmt: skip
     return ok, line
@@ -132,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         fid_model = trained or world
         prompts = vlcache_fidelity.world_prompts(fid_model, args.scenes)
         fidelity = vlcache_fidelity.measure(fid_model, prompts, list(METHODS), budgets)
-    qa = qa_rows(trained, METHODS, budgets, args.questions) if trained is not None else {}
+    outcomes = qa_rows(trained, METHODS, budgets, args.questions) if trained is not None else {}
+    qa_kinds = {k: accuracy_of(v) for k, v in outcomes.items()}
+    qa = {k: v["qa"] for k, v in qa_kinds.items()}
 
     pre = speed["prefill"]
     print(f"speed ({env.device_name}, {args.preset}, prefix {speed['prefix_rows']} rows of which "
@@ -160,10 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "vlcache", "preset": args.preset, "quick": args.quick,
         "weights": args.weights or None, "budgets": budgets, "speed": speed,
-        "fidelity": fidelity, "qa": qa,
+        "fidelity": fidelity, "qa": qa, "qa_kinds": qa_kinds,
     }  # fmt: skip
     if qa:
-        ok, line = verdict(qa)
+        ok, line = verdict(qa, outcomes)
+        if args.quick:  # a 3-point gate needs ~1,000 paired questions (SE ~1 point)
+            line += f" [--quick: {args.questions} questions decide nothing; the full sweep does]"
         result["verdict"] = {"pass": ok, "line": line}
     else:
         line = "VERDICT n/a: no trained weights (--weights PATH) -> no QA rows; fidelity only"

@@ -7,9 +7,10 @@ compacted to that method's selection. Reported per (method, budget):
 
     top1        the first answer token equals the full cache's
     greedy32    all 32 greedy tokens equal (exact) / the common prefix, as a fraction of 32
-    hit_rate    CacheHitRate (VL-Cache §5): per layer, the overlap of the method's kept image
-                rows with the top-k image rows of the first decode token's attention over the
-                full cache (k = the rows that layer keeps), averaged over layers
+    hit_rate    CacheHitRate (VL-Cache §5): per layer and KV head, the overlap of the method's
+                kept image rows with the top-k image rows of the first decode token's
+                attention (that head's query heads) over the full cache (k = the rows that
+                layer keeps), averaged over layers and heads
     chunk_err   the action expert reading the compressed prefix (`compress_expert`): its
                 chunk's L2 distance from the full prefix's chunk, relative to the latter's
                 norm (the default keeps the expert on the full prefix: error 0)
@@ -67,15 +68,18 @@ def world_prompts(model, n: int, seed: int = SCENE_SEED) -> list[Prompt]:
 
 class FirstDecodeAttention:
     """Observer of one decode step: per layer, the step's first token's attention summed over
-    heads, over the image rows [0, n_image) of `slot` -> scores [L, n_image]."""
+    the query heads of each KV head, over the image rows [0, n_image) of `slot` -> scores
+    L x [Hkv, n_image]."""
 
     def __init__(self, slot: int, n_image: int, layers: int, scale: float):
         self.slot, self.n_image, self.scale = slot, n_image, scale
         self.scores: list[torch.Tensor | None] = [None] * layers
 
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, length: int) -> None:
-        col, _ = attn_stats_ref(q[:1], k_cache[self.slot, :length], self.scale, 0.5)
-        self.scores[layer] = col.sum(0)[: self.n_image].cpu()
+        keys = k_cache[self.slot, :length]
+        col, _ = attn_stats_ref(q[:1], keys, self.scale, 0.5)  # [Hq, length]
+        per_kv = col.view(keys.shape[1], -1, length).sum(1)
+        self.scores[layer] = per_kv[:, : self.n_image].cpu()
 
 
 def greedy(model, arena, slot: int, ids: list[int], observer=None) -> list[int]:
@@ -100,7 +104,7 @@ def greedy(model, arena, slot: int, ids: list[int], observer=None) -> list[int]:
 
 def measure(model, prompts: list[Prompt], methods: list[str], budgets: list[float]) -> dict:
     """-> {f"{method}@{budget}": {top1, greedy32_exact, greedy32_prefix, hit_rate, n}}."""
-    layers = model.cfg.backbone.layers
+    layers, kv_heads = model.cfg.backbone.layers, model.cfg.backbone.kv_heads
     scale = model.backbone.scale
     longest = max(p.prefix.embeds.shape[0] + len(p.question) for p in prompts)
     arena = model.new_arena(3, -(-(longest + GREEDY_TOKENS + 1) // 64) * 64)
@@ -124,7 +128,7 @@ def measure(model, prompts: list[Prompt], methods: list[str], budgets: list[floa
         for method in methods:
             for budget in budgets if method != "full" else [1.0]:
                 cfg = CompressConfig(budget=budget, method=method)
-                sel = select(get_press(method), cfg, layout, stats, layers)
+                sel = select(get_press(method), cfg, layout, stats, layers, kv_heads)
                 arena.copy_slot(master, work)
                 compact(arena, work, sel)
                 small = model.sample_actions(arena, work, layout.n_rows, noise, compressed=True)
@@ -155,11 +159,12 @@ def measure(model, prompts: list[Prompt], methods: list[str], budgets: list[floa
 
 
 def hit_rate(keep: tuple[torch.Tensor, ...], true_scores: list[torch.Tensor], n_image: int):
-    """Mean over layers of |kept image rows ∩ top-k of the true scores| / k."""
+    """Mean over layers and KV heads of |kept image rows ∩ top-k of the true scores| / k."""
     hits = []
-    for kept, scores in zip(keep, true_scores, strict=True):
-        img = kept[kept < n_image]
-        k = img.shape[0]
-        top = torch.sort(scores, descending=True, stable=True).indices[:k]
-        hits.append(len(set(img.tolist()) & set(top.tolist())) / k)
+    for kept, scores in zip(keep, true_scores, strict=True):  # [Hkv, rows], [Hkv, n_image]
+        for head_kept, head_scores in zip(kept, scores, strict=True):
+            img = head_kept[head_kept < n_image]
+            k = img.shape[0]
+            top = torch.sort(head_scores, descending=True, stable=True).indices[:k]
+            hits.append(len(set(img.tolist()) & set(top.tolist())) / k)
     return float(np.mean(hits))

@@ -40,7 +40,7 @@ from embodied_kv.train.trained import TOKENIZER_FILE, load_trained, world_config
 from embodied_kv.world import memory, questions
 
 __all__ = ["EvalConfig", "closed_loop", "episode", "evaluate", "main", "make_engine",
-           "memory_accuracy", "question_accuracy", "run"]  # fmt: skip
+           "accuracy_of", "memory_accuracy", "question_accuracy", "question_results", "run"]  # fmt: skip
 
 SLOW_HZ = 1e-3  # a control period of minutes: every decode finishes within its cycle
 AR_HORIZON = 10  # `ar`: bins tokens of 10 ticks x 8 dims (the world preset's 256 action ids)
@@ -60,17 +60,29 @@ def make_engine(model, cfg: EvalConfig) -> Engine:
     )  # fmt: skip
 
 
-def question_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
-    """Accuracy over cfg.questions scene questions; `runner` may be an Engine."""
+def question_results(runner, cfg: EvalConfig) -> list[tuple[str, bool]]:
+    """(kind, right) of each of cfg.questions scene questions, in item order (paired
+    comparisons between runners: the same questions in the same order)."""
     runner = as_runner(runner)
-    right = {k: [] for k in questions.KINDS}
+    out = []
     for i in range(cfg.questions):
         scene, task, qa = question_item(cfg, i)
         got = answer(runner, scene, task.instruction, qa.question, TaskKind.ANSWER)
-        right[qa.kind].append(got == qa.answer)
+        out.append((qa.kind, got == qa.answer))
+    return out
+
+
+def question_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
+    """Accuracy over cfg.questions scene questions, overall and per kind; `runner` may be
+    an Engine."""
+    return accuracy_of(question_results(runner, cfg))
+
+
+def accuracy_of(results: list[tuple[str, bool]]) -> dict[str, float]:
+    right = {k: [ok for kind, ok in results if kind == k] for k in questions.KINDS}
     per_kind = {f"qa_{k}": float(np.mean(v)) for k, v in right.items() if v}
-    all_ = [x for v in right.values() for x in v]
-    return {"qa": float(np.mean(all_)) if all_ else float("nan"), **per_kind}
+    return {"qa": float(np.mean([ok for _, ok in results])) if results else float("nan"),
+            **per_kind}  # fmt: skip
 
 
 def memory_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:

@@ -11,14 +11,20 @@ After the prefill of a frame, for every layer:
                    b_l = clip((1 - γ_l) / Σ(1 - γ) * α * L, 0.01, 1), then the clipped excess
                    or shortfall refilled over the unclipped layers so every method spends
                    exactly α * L * n_image image rows (equal KV bytes across methods)
-    3. selection   the k_l best-scored image rows of layer l, plus every prompt text row
-    4. compaction  kept rows moved to the front of the slot, layer by layer (ascending row
-                   order); length[l] = k_l + text rows; next_pos stays P, so decode
-                   positions continue where the full prefix ended. K was stored after RoPE:
-                   a kept key keeps its position, nothing is rotated again.
+    3. selection   per layer l and KV head h, the k_l image rows best scored by the query
+                   heads that read h (head-wise, as SnapKV / PyramidKV / H2O evict), plus
+                   every prompt text row; every head of a layer keeps k_l + τ rows
+    4. compaction  each head's kept rows moved to the front of the slot, layer by layer
+                   (ascending row order); length[l] = k_l + text rows; next_pos stays P, so
+                   decode positions continue where the full prefix ended. K was stored after
+                   RoPE: a kept key keeps its position, nothing is rotated again.
 
-    slot (one layer) before:  [ img img img img img ... img | text text text ]   length P
-                     after:   [ img img text text text | stale ...           ]   length k_l + τ
+    slot (one layer, one head) before:  [ img img img img ... img | text text ]   length P
+                               after:   [ img img text text | stale ...       ]   length k_l + τ
+
+Heads of a layer keep different image rows but the same number, so one length per layer
+still says which rows every head reads, and a decode appends its token at row length[l] in
+all heads, as over a full slot.
 
 The packed step reads rows [0, length[l]) per layer (kv/step.py), so a decode over a
 compressed slot costs what its kept rows cost. The budget α counts image rows: the text rows
@@ -86,7 +92,8 @@ class PrefixLayout:
 
 @dataclass
 class PrefixStats:
-    scores: dict[str, torch.Tensor]  # query range -> [L, P] fp32 column sums over heads
+    scores: dict[str, torch.Tensor]  # query range -> [L, Hkv, P] fp32 column sums over
+    # the query heads of each KV head (the heads that read that head's keys)
     sparsity: torch.Tensor | None  # [L] fp64: post-vision sparsity averaged over heads
 
 
@@ -118,16 +125,18 @@ class StatsRecorder:
         self.keys[layer] = k_cache  # [S, T, Hkv, D]: rows [0, P) of the slot are this layer's
 
     def stats(self) -> PrefixStats:
-        """Per range and layer, the column sums over the prefix rows (summed over heads), and
-        the post-vision sparsity; the slot must still hold the prefix the prefill wrote."""
+        """Per range, layer and KV head, the column sums over the prefix rows (summed over
+        the head's query heads), and the post-vision sparsity; the slot must still hold the
+        prefix the prefill wrote."""
         if any(k is None for k in self.keys):
             raise RuntimeError("the prefill did not run every layer through the recorder")
         n = self.layout.n_rows
         keys = torch.stack([k[self.slot, :n] for k in self.keys])  # [L, P, Hkv, D]
+        kv_heads = keys.shape[2]
         scores, sparsity = {}, None
         for name, q in self.queries.items():
             colsum, below = self._layers(q, keys)  # [L, Hq, P], [L, Hq]
-            scores[name] = colsum.sum(1)
+            scores[name] = colsum.view(self.layers, kv_heads, -1, n).sum(2)
             if name == POST_VISION:
                 a, b = self.ranges[name]
                 sparsity = (below.double() / ((b - a) * n)).mean(1).cpu()
@@ -146,15 +155,15 @@ class StatsRecorder:
 
 @dataclass(frozen=True)
 class Selection:
-    """The rows a compressed slot keeps: per layer, ascending row indices (image rows picked
-    by the press, then every text row)."""
+    """The rows a compressed slot keeps: per layer and KV head, ascending row indices (image
+    rows picked by the press, then every text row); the heads of a layer keep as many."""
 
     layout: PrefixLayout
-    keep: tuple[torch.Tensor, ...]  # L x [k_l + τ] int64 (host)
+    keep: tuple[torch.Tensor, ...]  # L x [Hkv, k_l + τ] int64 (host)
 
     @property
     def lengths(self) -> list[int]:
-        return [int(k.shape[0]) for k in self.keep]
+        return [int(k.shape[-1]) for k in self.keep]
 
 
 def image_rows_total(budget: float, layers: int, n_image: int) -> int:
@@ -216,15 +225,18 @@ def allocate(press: Press, cfg: CompressConfig, stats: PrefixStats | None,
 
 
 def select(press: Press, cfg: CompressConfig, layout: PrefixLayout,
-           stats: PrefixStats | None, layers: int) -> Selection:  # fmt: skip
-    """The rows each layer keeps: the press's best k_l image rows, then the text rows."""
+           stats: PrefixStats | None, layers: int, kv_heads: int) -> Selection:  # fmt: skip
+    """The rows each layer and KV head keeps: the press's best k_l image rows by that head's
+    scores (positional presses: the same rows in every head), then the text rows."""
     counts = allocate(press, cfg, stats, layers, layout.n_image)
     text = torch.arange(layout.n_image, layout.n_rows)
     keep = []
     for layer, k in enumerate(counts):
-        scores = stats.scores[press.scores][layer] if press.scores else None
-        order = press.rank(scores, layout.n_image, cfg.sink)
-        keep.append(torch.cat([torch.sort(order[:k]).values, text]))
+        heads = stats.scores[press.scores][layer] if press.scores else [None] * kv_heads
+        if len(heads) != kv_heads:
+            raise ValueError(f"scores of {len(heads)} KV heads for a model with {kv_heads}")
+        rows = [press.rank(scores, layout.n_image, cfg.sink)[:k] for scores in heads]
+        keep.append(torch.stack([torch.cat([torch.sort(r).values, text]) for r in rows]))
     return Selection(layout, tuple(keep))
 
 
@@ -242,14 +254,17 @@ def compact(arena: KVArena, slot: int, selection: Selection) -> None:
             f"not exactly the {layout.n_rows}-row prefix the selection was made for"
         )
     for keep in selection.keep:
-        if keep.numel() == 0 or int(keep.min()) < 0 or int(keep.max()) >= layout.n_rows:
+        if keep.dim() != 2 or keep.shape[0] != spec.kv_heads or keep.shape[1] == 0:
+            raise ValueError(f"kept rows of shape {tuple(keep.shape)}: want [{spec.kv_heads} "
+                             f"KV heads, rows > 0]")  # fmt: skip
+        if int(keep.min()) < 0 or int(keep.max()) >= layout.n_rows:
             raise ValueError(f"kept rows {keep.tolist()} outside the prefix of {layout.n_rows}")
     for layer, keep in enumerate(selection.keep):
-        idx = keep.to(arena.device)
-        n = idx.shape[0]
+        n = keep.shape[1]
+        idx = keep.t().to(arena.device)[:, :, None].expand(n, spec.kv_heads, spec.head_dim)
         # the gather copies first, so moving rows forward never reads a row already written
-        arena.k[layer, slot, :n] = arena.k[layer, slot].index_select(0, idx)
-        arena.v[layer, slot, :n] = arena.v[layer, slot].index_select(0, idx)
+        arena.k[layer, slot, :n] = arena.k[layer, slot].gather(0, idx)
+        arena.v[layer, slot, :n] = arena.v[layer, slot].gather(0, idx)
         arena.length[layer, slot] = n
 
 
@@ -260,6 +275,7 @@ class Compressor:
     def __init__(self, cfg: CompressConfig, model):
         b = model.cfg.backbone
         self.cfg, self.press, self.layers, self.heads = cfg, cfg.press, b.layers, b.heads
+        self.kv_heads = b.kv_heads
         self.scale, self.device = model.backbone.scale, model.device
 
     def ranges(self, layout: PrefixLayout) -> dict[str, tuple[int, int]]:
@@ -281,4 +297,4 @@ class Compressor:
         if not self.cfg.enabled or layout.n_image == 0:
             return None
         stats = recorder.stats() if recorder is not None else None
-        return select(self.press, self.cfg, layout, stats, self.layers)
+        return select(self.press, self.cfg, layout, stats, self.layers, self.kv_heads)

@@ -1,6 +1,9 @@
-"""VL-Cache compression (kv/compress.py, kv/presses.py): budgets of Algorithm 1, selection,
-in-place compaction with per-layer lengths, and decode over a compressed slot, on the tiny
-model (2 cameras x 16 image rows + the prompt's text rows)."""
+"""VL-Cache compression (kv/compress.py, kv/presses.py): budgets of Algorithm 1, head-wise
+selection, in-place compaction with per-layer lengths, and decode over a compressed slot, on
+the tiny model (2 cameras x 16 image rows + the prompt's text rows) with the shipped world
+model's attention (4 KV heads: every head keeps its own rows)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,9 +28,20 @@ from embodied_kv.model.vla import build_model
 MAX_LEN = 192
 
 
+KV_HEADS = 4
+
+
 @pytest.fixture(scope="module")
 def model():
-    return build_model(get_preset("tiny"))
+    cfg = get_preset("tiny")
+    cfg = replace(cfg, backbone=replace(cfg.backbone, kv_heads=KV_HEADS),
+                  expert=replace(cfg.expert, kv_heads=KV_HEADS))  # fmt: skip
+    return build_model(cfg)
+
+
+def every_row(layout, layers=4):
+    return Selection(layout, tuple(torch.arange(layout.n_rows).expand(KV_HEADS, -1)
+                                   for _ in range(layers)))  # fmt: skip
 
 
 def frame(model, cfg, seed=0):
@@ -109,13 +123,15 @@ def test_compaction_keeps_exactly_the_selected_rows(model, method):
     req = m.create(fp, "q", TaskKind.ANSWER, 4, [5, 6])
     assert req.slot == s and fp.compressed
     for layer, keep in enumerate(sel.keep):
-        n = keep.shape[0]
+        assert keep.shape[0] == KV_HEADS
+        n = keep.shape[1]
         assert int(arena.length[layer, s]) == n
         text = torch.arange(layout.n_image, layout.n_rows)
-        assert torch.equal(keep[-text.shape[0] :], text)  # every prompt text row stays
-        assert torch.equal(keep, torch.sort(keep).values)
-        assert torch.equal(arena.k[layer, s, :n], before_k[layer, keep])
-        assert torch.equal(arena.v[layer, s, :n], before_v[layer, keep])
+        for h, rows in enumerate(keep):  # each KV head: its own rows, moved to the front
+            assert torch.equal(rows[-text.shape[0] :], text)  # every prompt text row stays
+            assert torch.equal(rows, torch.sort(rows).values)
+            assert torch.equal(arena.k[layer, s, :n, h], before_k[layer, rows, h])
+            assert torch.equal(arena.v[layer, s, :n, h], before_v[layer, rows, h])
     assert int(arena.next_pos[s]) == layout.n_rows  # positions continue after the full prefix
     total = image_rows_total(0.2, 4, 32)
     assert sum(n - (layout.n_rows - layout.n_image) for n in sel.lengths) == total
@@ -133,17 +149,21 @@ def test_vlcache_keeps_the_best_post_vision_scored_rows(model):
     model.prefill(m.arena, slot, prefix, observer=rec)
     stats = rec.stats()
     tau = layout.n_rows - layout.n_image
-    heads = model.cfg.backbone.heads
-    want = torch.full((4,), tau * heads * 1.0)
+    group = model.cfg.backbone.heads // KV_HEADS  # query heads per KV head
+    want = torch.full((4, KV_HEADS), tau * group * 1.0)
     torch.testing.assert_close(stats.scores[POST_VISION].sum(-1), want)
     assert ((stats.sparsity >= 0) & (stats.sparsity <= 1)).all()
     sel = m.compressor.select(layout, rec)
+    differ = 0
     for layer, keep in enumerate(sel.keep):
-        img = keep[keep < layout.n_image]
-        score = stats.scores[POST_VISION][layer, : layout.n_image]
-        dropped = torch.ones(layout.n_image, dtype=torch.bool)
-        dropped[img] = False
-        assert score[img].min() >= score[dropped].max()
+        for h, rows in enumerate(keep):
+            img = rows[rows < layout.n_image]
+            score = stats.scores[POST_VISION][layer, h, : layout.n_image]
+            dropped = torch.ones(layout.n_image, dtype=torch.bool)
+            dropped[img] = False
+            assert score[img].min() >= score[dropped].max()
+        differ += any(not torch.equal(keep[0], rows) for rows in keep[1:])
+    assert differ > 0  # heads attend differently, so they keep different rows
 
 
 @pytest.mark.parametrize("kernel", [False, True])
@@ -176,7 +196,8 @@ def test_deferred_statistics_equal_each_layers_attention(model, kernel):
     for name, (a, z) in ranges.items():
         for layer, (q, k) in enumerate(seen):
             col, below = attn_stats_ref(q[a:z], k, model.backbone.scale, 0.01)
-            torch.testing.assert_close(stats.scores[name][layer], col.sum(0))
+            per_kv = col.view(b.kv_heads, -1, layout.n_rows).sum(1)  # each KV head's group
+            torch.testing.assert_close(stats.scores[name][layer], per_kv)
             if name == POST_VISION:
                 want = (below.double() / ((z - a) * layout.n_rows)).mean()
                 assert abs(float(stats.sparsity[layer]) - float(want)) < 1e-12
@@ -193,9 +214,10 @@ def test_decode_after_compression_equals_a_cache_of_only_those_rows(model):
     arena.k[:, built].normal_()  # stale rows past each length must not matter
     arena.v[:, built].normal_()
     for layer, keep in enumerate(sel.keep):
-        n = keep.shape[0]
-        arena.k[layer, built, :n] = full_k[layer, keep]
-        arena.v[layer, built, :n] = full_v[layer, keep]
+        n = keep.shape[1]
+        for h, rows in enumerate(keep):  # written head by head from that head's rows
+            arena.k[layer, built, :n, h] = full_k[layer, rows, h]
+            arena.v[layer, built, :n, h] = full_v[layer, rows, h]
         arena.length[layer, built] = n
     arena.next_pos[built] = sel.layout.n_rows
     question = torch.tensor([10, 20, 30, 40, 50])
@@ -223,9 +245,8 @@ def test_budget_one_is_byte_identical_to_no_compression(model):
 def test_keeping_every_row_is_the_identity(model):
     m, fp = frame(model, CompressConfig(budget=0.5), seed=4)
     layout = m.selection(fp).layout
-    every = Selection(layout, tuple(torch.arange(layout.n_rows) for _ in range(4)))
     k, v = m.arena.k.clone(), m.arena.v.clone()
-    compact(m.arena, fp.slot, every)
+    compact(m.arena, fp.slot, every_row(layout))
     assert torch.equal(m.arena.k, k) and torch.equal(m.arena.v, v)
     assert m.arena.length[:, fp.slot].tolist() == [layout.n_rows] * 4
 
@@ -239,9 +260,12 @@ def test_a_bad_compaction_changes_nothing(model):
     with pytest.raises(ValueError, match="not exactly"):
         compact(arena, s, sel)
     arena.truncate(s, fp.prefix_len)
-    bad = Selection(sel.layout, (torch.tensor([0, 999]),) * 4)
+    bad = Selection(sel.layout, (torch.tensor([0, 999]).expand(KV_HEADS, -1),) * 4)
     with pytest.raises(ValueError, match="outside"):
         compact(arena, s, bad)
+    one_head = Selection(sel.layout, (torch.tensor([[0, 1]]),) * 4)
+    with pytest.raises(ValueError, match="KV heads"):
+        compact(arena, s, one_head)
     assert torch.equal(arena.k, state[0]) and torch.equal(arena.v, state[1])
     assert arena.length[:, s].tolist() == [fp.prefix_len] * 4
 
@@ -253,8 +277,7 @@ def test_expert_on_a_compressed_prefix(model):
     noise = model.make_noise(0)
     full = model.sample_actions(m.arena, fp.slot, fp.prefix_len, noise)
     layout = m.selection(fp).layout
-    compact(m.arena, fp.slot, Selection(layout, tuple(torch.arange(layout.n_rows)
-                                                      for _ in range(4))))  # fmt: skip
+    compact(m.arena, fp.slot, every_row(layout))
     same = model.sample_actions(m.arena, fp.slot, fp.prefix_len, noise, compressed=True)
     assert same.numpy().tobytes() == full.numpy().tobytes()
     m2, fp2 = frame(model, CompressConfig(budget=0.1, compress_expert=True), seed=6)
