@@ -16,8 +16,9 @@ kept over all layers (the prompt text is always kept, by every method), at
               scenes (bench/vlcache_fidelity.py): the trained model with --weights, else the
               long random world
     qa        with --weights: scene-question accuracy through the Engine per method and
-              budget (eval/world.py question_results, the same questions for every row), then the acceptance verdict:
-              vlcache at 10% within 3 points of full, and >= every other method at 5% and 10%
+              budget (eval/world.py question_results: the same questions for every row),
+              then the acceptance verdict: vlcache at 10% within 3 points of full (with the
+              paired standard error), and >= every other method at 5% and 10%
 """
 
 from __future__ import annotations

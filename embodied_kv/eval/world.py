@@ -39,8 +39,9 @@ from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, load_trained, world_config
 from embodied_kv.world import memory, questions
 
-__all__ = ["EvalConfig", "closed_loop", "episode", "evaluate", "main", "make_engine",
-           "accuracy_of", "memory_accuracy", "question_accuracy", "question_results", "run"]  # fmt: skip
+__all__ = ["EvalConfig", "accuracy_of", "closed_loop", "episode", "evaluate", "main",
+           "make_engine", "memory_accuracy", "question_accuracy", "question_results",
+           "run"]  # fmt: skip
 
 SLOW_HZ = 1e-3  # a control period of minutes: every decode finishes within its cycle
 AR_HORIZON = 10  # `ar`: bins tokens of 10 ticks x 8 dims (the world preset's 256 action ids)
