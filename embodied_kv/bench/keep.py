@@ -17,6 +17,8 @@ and the method appends header + memory + query (kv/memory_methods.py):
     refresh_ms   computing the blocks the updates before this request invalidated
                  (off the request's path on a robot: when an update arrives)
     one_hop, two_hop   answer accuracy (the decoded word before EOS)
+    two_hop_se_vs_full  standard error of the two-hop points a method loses against full
+                 recomputation, paired over the same queries (the verdict quotes it)
     agree        share of the first 32 greedy tokens equal to full recomputation's
     same_answer  share of requests whose first token (the answer word) equals full
                  recomputation's: whether a method changes the answer, right or wrong
@@ -177,6 +179,7 @@ def update(stream: Stream, grouped: SegmentMemory, chunks: SegmentMemory, n: int
 
 def summarise(n: int, raw: dict) -> list[dict]:
     full = raw["methods"]["full"]["ttft"]
+    full_two = raw["methods"]["full"]["two_hop"]
     rows = []
     for name, s in raw["methods"].items():
         blocks = "grouped" if name.startswith("keep") and name != "keep-no-static" else "chunks"
@@ -190,12 +193,19 @@ def summarise(n: int, raw: dict) -> list[dict]:
             "refresh_ms": statistics.median(refresh) if refresh else 0.0,
             "one_hop": float(np.mean(s["one_hop"])) if s["one_hop"] else float("nan"),
             "two_hop": float(np.mean(s["two_hop"])) if s["two_hop"] else float("nan"),
+            "two_hop_se_vs_full": paired_se(full_two, s["two_hop"]),
             "agree": float(np.mean(s["agree"])),
             "same_answer": float(np.mean(s["same_answer"])),
             "compute_share": float(np.mean(s["share"])),  # token-layers computed / full's
             "active_per_layer": active,
         })  # fmt: skip
     return rows
+
+
+def paired_se(full: list[bool], ours: list[bool]) -> float:
+    """Standard error of (full - ours) over the same queries, as a share (nan below 2)."""
+    d = np.array(full, dtype=float) - np.array(ours, dtype=float)
+    return float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
 
 
 def verdict(rows: list[dict], trained: bool) -> str:
@@ -209,7 +219,9 @@ def verdict(rows: list[dict], trained: bool) -> str:
     above = k["two_hop"] > at["reuse"]["two_hop"] and k["two_hop"] > at["cacheblend"]["two_hop"]
     ok = "PASS" if close and above else "FAIL"
     return (f"verdict: {ok}: two-hop at {top} segments keep {k['two_hop']:.3f} vs full "
-            f"{f['two_hop']:.3f} (within {ACCURACY_POINTS:.0f} points: {close}), reuse "
+            f"{f['two_hop']:.3f} ({(f['two_hop'] - k['two_hop']) * 100:+.1f} ± "
+            f"{k['two_hop_se_vs_full'] * 100:.1f} SE points lost, paired; within "
+            f"{ACCURACY_POINTS:.0f} points: {close}), reuse "
             f"{at['reuse']['two_hop']:.3f}, cacheblend {at['cacheblend']['two_hop']:.3f} "
             f"(keep above both: {above}); {speed}")  # fmt: skip
 

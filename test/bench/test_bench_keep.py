@@ -1,5 +1,7 @@
 import json
 
+import numpy as np
+
 from embodied_kv.bench.keep import main
 from embodied_kv.bench.keep_stream import Stream, answers, parse, shape
 
@@ -41,3 +43,17 @@ def test_streams_keep_their_size_and_answers_follow_the_latest_fact():
     assert place == {"red box": "sink"} and holder == {"blue key": "red box"}
     query, truth = stream.query(2, stream.facts)
     assert query.startswith("where is the ") and truth
+
+
+def test_the_verdict_quotes_the_paired_error_of_the_points_lost():
+    from embodied_kv.bench.keep import paired_se, verdict
+
+    full, keep = [True, True, False, False], [True, False, False, False]
+    se = paired_se(full, keep)
+    assert se == np.std([0, 1, 0, 0], ddof=1) / 2 and paired_se(full, full) == 0.0
+    rows = [{"segments": 40, "method": m, "two_hop": v, "two_hop_se_vs_full": e,
+             "speedup_vs_full": 1.0}
+            for m, v, e in (("full", 0.5, 0.0), ("keep", 0.25, se), ("reuse", 0.1, 0.1),
+                            ("cacheblend", 0.2, 0.1))]  # fmt: skip
+    line = verdict(rows, trained=True)
+    assert line.startswith("verdict: FAIL") and f"+25.0 ± {se * 100:.1f} SE points lost" in line
