@@ -193,19 +193,13 @@ def summarise(n: int, raw: dict) -> list[dict]:
             "refresh_ms": statistics.median(refresh) if refresh else 0.0,
             "one_hop": float(np.mean(s["one_hop"])) if s["one_hop"] else float("nan"),
             "two_hop": float(np.mean(s["two_hop"])) if s["two_hop"] else float("nan"),
-            "two_hop_se_vs_full": paired_se(full_two, s["two_hop"]),
+            "two_hop_se_vs_full": harness.paired_difference(full_two, s["two_hop"])[1],
             "agree": float(np.mean(s["agree"])),
             "same_answer": float(np.mean(s["same_answer"])),
             "compute_share": float(np.mean(s["share"])),  # token-layers computed / full's
             "active_per_layer": active,
         })  # fmt: skip
     return rows
-
-
-def paired_se(full: list[bool], ours: list[bool]) -> float:
-    """Standard error of (full - ours) over the same queries, as a share (nan below 2)."""
-    d = np.array(full, dtype=float) - np.array(ours, dtype=float)
-    return float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
 
 
 def verdict(rows: list[dict], trained: bool) -> str:

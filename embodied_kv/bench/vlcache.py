@@ -28,8 +28,6 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from embodied_kv.bench import harness, vlcache_fidelity, vlcache_speed
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.engine import Engine
@@ -107,14 +105,6 @@ def qa_rows(model, methods, budgets, questions: int) -> dict[str, list[tuple[str
     return out
 
 
-def paired_loss(full: list[tuple[str, bool]], ours: list[tuple[str, bool]]) -> tuple[float, float]:
-    """Points lost against the full cache over the same questions, and the standard error
-    of that paired difference (only questions where the two disagree move it)."""
-    d = np.array([float(a) - float(b) for (_, a), (_, b) in zip(full, ours, strict=True)])
-    se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
-    return float(d.mean()) * 100, se * 100
-
-
 def verdict(qa: dict[str, float], outcomes: dict | None = None) -> tuple[bool, str]:
     """The acceptance: vlcache at 10% within 3 points of full; >= every other method at 5%
     and 10% (the losing rows named). With the per-question `outcomes`, the line also gives
@@ -124,7 +114,8 @@ def verdict(qa: dict[str, float], outcomes: dict | None = None) -> tuple[bool, s
     close = (full - ours) * 100 <= ACCEPT_POINTS
     se = ""
     if outcomes:
-        se = f" ± {paired_loss(outcomes['full@1'], outcomes[key])[1]:.1f} SE"
+        right = [[ok for _, ok in outcomes[k]] for k in ("full@1", key)]
+        se = f" ± {harness.paired_difference(*right)[1] * 100:.1f} SE"
     others = [m for m in METHODS if m not in ("full", "vlcache")]
     losses = [f"{m}@{b:g} {qa[f'{m}@{b:g}']:.3f} > vlcache {qa[f'vlcache@{b:g}']:.3f}"
               for b in WIN_BUDGETS for m in others if qa[f"{m}@{b:g}"] > qa[f"vlcache@{b:g}"]]

@@ -46,11 +46,13 @@ def test_streams_keep_their_size_and_answers_follow_the_latest_fact():
 
 
 def test_the_verdict_quotes_the_paired_error_of_the_points_lost():
-    from embodied_kv.bench.keep import paired_se, verdict
+    from embodied_kv.bench.harness import paired_difference
+    from embodied_kv.bench.keep import verdict
 
     full, keep = [True, True, False, False], [True, False, False, False]
-    se = paired_se(full, keep)
-    assert se == np.std([0, 1, 0, 0], ddof=1) / 2 and paired_se(full, full) == 0.0
+    lost, se = paired_difference(full, keep)
+    assert (lost, se) == (0.25, np.std([0, 1, 0, 0], ddof=1) / 2)
+    assert paired_difference(full, full) == (0.0, 0.0)
     rows = [{"segments": 40, "method": m, "two_hop": v, "two_hop_se_vs_full": e,
              "speedup_vs_full": 1.0}
             for m, v, e in (("full", 0.5, 0.0), ("keep", 0.25, se), ("reuse", 0.1, 0.1),

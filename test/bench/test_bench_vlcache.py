@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from embodied_kv.bench.vlcache import METHODS, main, paired_loss, verdict
+from embodied_kv.bench.harness import paired_difference
+from embodied_kv.bench.vlcache import METHODS, main, verdict
 from embodied_kv.model.vla import build_model
 from embodied_kv.train.loop import save_checkpoint
 from embodied_kv.train.tokenizer import save_tokenizer
@@ -52,15 +53,14 @@ def test_verdict_names_every_losing_row():
     assert not ok and "+4.0 points" in line
 
 
-def test_paired_loss_counts_only_disagreements_and_the_verdict_names_its_error():
+def test_the_verdict_quotes_the_paired_error_of_the_points_lost():
     full = [("count", True)] * 8 + [("colour", False)] * 2
     ours = [("count", True)] * 6 + [("count", False)] * 2 + [("colour", False)] * 2
-    lost, se = paired_loss(full, ours)
+    lost, se = paired_difference([ok for _, ok in full], [ok for _, ok in ours])
     d = np.array([0.0] * 6 + [1.0] * 2 + [0.0] * 2)
-    assert lost == pytest.approx(20.0) and se == pytest.approx(d.std(ddof=1) / np.sqrt(10) * 100)
-    assert paired_loss(full, full) == (0.0, 0.0)
+    assert lost == pytest.approx(0.2) and se == pytest.approx(d.std(ddof=1) / np.sqrt(10))
     qa = {"full@1": 0.8, "vlcache@0.1": 0.6}
     qa |= {f"{m}@{b}": 0.1 for m in METHODS if m != "full" for b in ("0.05", "0.1")
            if f"{m}@{b}" not in qa}  # fmt: skip
     ok, line = verdict(qa, {"full@1": full, "vlcache@0.1": ours})
-    assert not ok and f"+20.0 ± {se:.1f} SE points lost, 10 questions" in line
+    assert not ok and f"+20.0 ± {se * 100:.1f} SE points lost, 10 questions" in line
