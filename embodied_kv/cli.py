@@ -95,7 +95,8 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         given = {k: getattr(args, k) for k in ("batch", "lr", "threads", "curriculum", "warmup")}
         data = {k: getattr(args, k)
-                for k in ("memory_objects", "memory_updates", "memory_hard", "text_mix")}
+                for k in ("memory_objects", "memory_updates", "memory_hard", "text_mix", "turns",
+                          "two_hop_share")}  # fmt: skip
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
             ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
@@ -172,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of memory queries where copying the last named place is wrong")
     tr.add_argument("--text-mix", type=_floats,
                     help="weights of answer,plan,narration,actions samples (default .3,.35,.1,.25)")
+    tr.add_argument("--turns", type=int,
+                    help="questions / memory queries per answer or plan sample (default 4)")
+    tr.add_argument("--two-hop-share", type=float,
+                    help="share of memory queries that need two lookups (default 0.5)")
     tr.set_defaults(run=run_train)
 
     ev = commands.add_parser("eval", help="behavioural evaluation (`eval world`), no ROS")

@@ -112,7 +112,10 @@ def test_fine_tuning_starts_from_the_given_weights(tmp_path):
     out = tmp_path / "cli"
     argv = ["train", "--steps", "1", "--batch", "2", "--out", str(out), "--init",
             str(base / WEIGHTS_FILE), "--memory-objects", "8", "--memory-updates", "30",
-            "--text-mix", "0.25,0.5,0.05,0.2", "--memory-hard", "0.8"]
+            "--text-mix", "0.25,0.5,0.05,0.2", "--memory-hard", "0.8", "--turns", "8",
+            "--two-hop-share", "0"]
     assert main(argv) == 0 and (out / WEIGHTS_FILE).is_file()
     assert main(["train", "--steps", "1", "--memory-objects", "99"]) == 2
     assert main(["train", "--steps", "1", "--text-mix", "1,0"]) == 2  # four weights
+    assert main(["train", "--steps", "1", "--two-hop-share", "2"]) == 2  # a share
+    assert main(["train", "--steps", "1", "--turns", "0"]) == 2
