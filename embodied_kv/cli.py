@@ -88,15 +88,31 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(","))
 
 
+# DataConfig fields `train` sets from flags: (flag, type, help); the field is the flag's name
+_DATA_FLAGS = (
+    ("--memory-objects", int, "containers and movables per fact stream: 2 .. this each "
+                              "(default 3)"),
+    ("--memory-updates", int, "fact updates after the initial facts: 0 .. this (default 6)"),
+    ("--memory-hard", float, "share of memory queries where copying the last named place is "
+                             "wrong"),
+    ("--text-mix", _floats, "weights of answer,plan,narration,actions samples (default "
+                            ".3,.35,.1,.25)"),
+    ("--turns", int, "questions / memory queries per answer or plan sample (default 4)"),
+    ("--two-hop-share", float, "share of memory queries that need two lookups (default 0.5)"),
+)  # fmt: skip
+
+
+def _field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def run_train(args: argparse.Namespace) -> int:
     from embodied_kv.train.loop import TrainConfig, train
     from embodied_kv.world.dataset import DataConfig
 
     try:
         given = {k: getattr(args, k) for k in ("batch", "lr", "threads", "curriculum", "warmup")}
-        data = {k: getattr(args, k)
-                for k in ("memory_objects", "memory_updates", "memory_hard", "text_mix", "turns",
-                          "two_hop_share")}  # fmt: skip
+        data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
             ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
@@ -165,18 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="steps of one-hop, unchanging memory facts first")  # fmt: skip
     tr.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
     tr.add_argument("--init", help="weights file to start from (fine-tuning); default: fresh")
-    tr.add_argument("--memory-objects", type=int,
-                    help="containers and movables per fact stream: 2 .. this each (default 3)")
-    tr.add_argument("--memory-updates", type=int,
-                    help="fact updates after the initial facts: 0 .. this (default 6)")
-    tr.add_argument("--memory-hard", type=float,
-                    help="share of memory queries where copying the last named place is wrong")
-    tr.add_argument("--text-mix", type=_floats,
-                    help="weights of answer,plan,narration,actions samples (default .3,.35,.1,.25)")
-    tr.add_argument("--turns", type=int,
-                    help="questions / memory queries per answer or plan sample (default 4)")
-    tr.add_argument("--two-hop-share", type=float,
-                    help="share of memory queries that need two lookups (default 0.5)")
+    for flag, kind, text in _DATA_FLAGS:
+        tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)
 
     ev = commands.add_parser("eval", help="behavioural evaluation (`eval world`), no ROS")
