@@ -88,11 +88,27 @@ class RosHarness:
             time.sleep(0.005)
 
     def call(self, client, request, timeout: float = TIMEOUT_S):
-        """Call a service from a spinning participant; the response, or AssertionError."""
+        """Call a service from a spinning participant; the response, or AssertionError.
+
+        `wait_for_service` says the *client* has discovered the server. Fast DDS also needs
+        the server to have matched the client's response reader: a response to a reader
+        not matched within 100 ms is dropped ("failed to send response (timeout)",
+        rmw_fastrtps's max_blocking_time), and the call then waits forever. So the call
+        also waits until the serving participants of this harness see the client."""
         assert client.wait_for_service(timeout_sec=timeout), f"{client.srv_name} not available"
+        self.wait_until(lambda: self._servers_see(client),
+                        f"the server of {client.srv_name} to discover its client", timeout)
         future = client.call_async(request)
         self.wait_until(future.done, f"a response from {client.srv_name}", timeout)
         return future.result()
+
+    def _servers_see(self, client) -> bool:
+        """Every other participant of this harness that sees the service sees a client of
+        it (its graph counts the response readers); servers in other processes: True."""
+        name = client.srv_name
+        nodes = [n for p in self._participants if p.context is not client.context
+                 for n in p.nodes[:1] if n.count_services(name) > 0]  # fmt: skip
+        return all(n.count_clients(name) > 0 for n in nodes)
 
     def close(self) -> None:
         for participant in reversed(self._participants):
