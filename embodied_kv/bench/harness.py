@@ -192,9 +192,7 @@ def paired_difference(a: Sequence[bool], b: Sequence[bool]) -> tuple[float, floa
     """Mean of a - b over the same items (shares: accuracy of one method minus another's
     on the same questions) and its standard error (nan below two items); only items where
     the two disagree move either."""
-    if len(a) != len(b):
-        raise ValueError(f"paired lists of {len(a)} and {len(b)} items")
-    d = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
+    d = [float(x) - float(y) for x, y in zip(a, b, strict=True)]  # unequal: ValueError
     if not d:
         return float("nan"), float("nan")
     se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")

@@ -25,7 +25,7 @@ import torch
 
 from embodied_kv.engine.policy import answer_suffix
 from embodied_kv.eval.world import episode
-from embodied_kv.kernels.attn_stats import attn_stats_ref
+from embodied_kv.kernels.attn_stats import attn_stats_ref, kv_head_sums
 from embodied_kv.kv.compress import (
     CompressConfig,
     PrefixLayout,
@@ -78,8 +78,7 @@ class FirstDecodeAttention:
     def __call__(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, length: int) -> None:
         keys = k_cache[self.slot, :length]
         col, _ = attn_stats_ref(q[:1], keys, self.scale, 0.5)  # [Hq, length]
-        per_kv = col.view(keys.shape[1], -1, length).sum(1)
-        self.scores[layer] = per_kv[:, : self.n_image].cpu()
+        self.scores[layer] = kv_head_sums(col, keys.shape[1])[:, : self.n_image].cpu()
 
 
 def greedy(model, arena, slot: int, ids: list[int], observer=None) -> list[int]:

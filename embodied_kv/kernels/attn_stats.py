@@ -82,6 +82,13 @@ def attn_stats_ref_layers(
     return (rel * inv).sum(2), (rel < threshold).sum((2, 3))
 
 
+def kv_head_sums(colsum: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Column sums per query head [..., Hq, m] -> per KV head [..., Hkv, m]: the sums of the
+    query heads h with h // GROUP == the KV head (the heads that read its keys)."""
+    *lead, hq, m = colsum.shape
+    return colsum.reshape(*lead, kv_heads, hq // kv_heads, m).sum(-2)
+
+
 if triton is not None:
     from embodied_kv.kernels.triton_base import dot
 

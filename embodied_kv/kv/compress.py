@@ -37,7 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kernels.attn_stats import attn_stats_into, attn_stats_ref_layers, stats_workspace
+from embodied_kv.kernels.attn_stats import (
+    attn_stats_into,
+    attn_stats_ref_layers,
+    kv_head_sums,
+    stats_workspace,
+)
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.presses import ALL_ROWS, POST_VISION, WINDOW, Press, budget_weights, get_press
 
@@ -136,7 +141,7 @@ class StatsRecorder:
         scores, sparsity = {}, None
         for name, q in self.queries.items():
             colsum, below = self._layers(q, keys)  # [L, Hq, P], [L, Hq]
-            scores[name] = colsum.view(self.layers, kv_heads, -1, n).sum(2)
+            scores[name] = kv_head_sums(colsum, kv_heads)
             if name == POST_VISION:
                 a, b = self.ranges[name]
                 sparsity = (below.double() / ((b - a) * n)).mean(1).cpu()
