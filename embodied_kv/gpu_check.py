@@ -19,17 +19,19 @@ import argparse
 import datetime
 import importlib.util
 import json
+import os
 import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("step", "oxygen", "capsule")
+BENCHES = ("latency", "step", "oxygen", "capsule")
 # module -> PyPI name: what the tests and benchmarks import besides torch (no ROS)
 REQUIRED = {
     "numpy": "numpy",
@@ -64,8 +66,9 @@ def environment(device: str | torch.device = "cuda") -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        "commit": (commit := _git("rev-parse", "HEAD")),
-        "dirty": None if commit is None else bool(_git("status", "--porcelain")),
+        # a copy without .git (a device machine's working tree) names its commit in the env
+        "commit": (head := _git("rev-parse", "HEAD")) or os.environ.get("EMBODIED_KV_COMMIT"),
+        "dirty": None if head is None else bool(_git("status", "--porcelain")),
     }
 
 
@@ -84,15 +87,29 @@ def missing_modules() -> list[str]:
     return [pypi for mod, pypi in REQUIRED.items() if importlib.util.find_spec(mod) is None]
 
 
-def run_logged(cmd: list[str], log: Path) -> tuple[int, float]:
-    """Run cmd in the repository root, its output both shown and kept in `log`."""
+def run_logged(cmd: list[str], log: Path, timeout: float = 0) -> tuple[int, float]:
+    """Run cmd in the repository root, its output both shown and kept in `log` as it comes;
+    past `timeout` seconds (0: none) it is killed and its status is 124 (as timeout(1))."""
     t = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as f, subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     ) as proc:
+        timer = threading.Timer(timeout, proc.kill) if timeout > 0 else None
+        if timer:
+            timer.start()
         for line in proc.stdout:
             sys.stdout.write(line)
             f.write(line)
+            f.flush()
+        proc.wait()
+        killed = timer is not None and not timer.is_alive() and proc.returncode < 0
+        if timer:
+            timer.cancel()
+    if killed:
+        with log.open("a") as f:
+            f.write(f"gpu-check: killed after {timeout:.0f} s\n")
+        return 124, round(time.perf_counter() - t, 1)
     return proc.returncode, round(time.perf_counter() - t, 1)
 
 
@@ -102,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string")
     p.add_argument("--bench-args", default="", help="extra benchmark arguments, e.g. --quick")
+    p.add_argument("--only", default=",".join(BENCHES), help="benchmarks to run, comma-separated")
+    p.add_argument("--timeout", type=float, default=0, help="seconds per step (0: none)")
     args = p.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -126,11 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     steps = {}
     if not args.skip_tests:
         cmd = [sys.executable, "-m", "pytest", "-q", *args.pytest_args.split()]
-        steps["pytest"] = run_logged(cmd, out / "pytest.txt")
-    for name in BENCHES:
+        steps["pytest"] = run_logged(cmd, out / "pytest.txt", args.timeout)
+    for name in args.only.split(","):
         cmd = [sys.executable, "-m", "embodied_kv.cli", "bench", name, "--preset", "pi05"]
         cmd += ["--device", "cuda", "--json", str(out / f"{name}.json"), *args.bench_args.split()]
-        steps[f"bench {name}"] = run_logged(cmd, out / f"{name}.txt")
+        steps[f"bench {name}"] = run_logged(cmd, out / f"{name}.txt", args.timeout)
     summary = {k: {"returncode": rc, "seconds": s} for k, (rc, s) in steps.items()}
     write_json(out / "summary.json", {"env": env, "steps": summary})
     failed = [k for k, (rc, _) in steps.items() if rc != 0]

@@ -61,6 +61,12 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Na
     return args
 
 
+def progress(env: Environment, what: str) -> None:
+    """One line on stderr with the seconds since the bench started: a long run (pi05 on a
+    GPU, a killed step in gpu-check) shows where its time went."""
+    print(f"[{time.perf_counter() - env.started:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("triton", "transformers"):

@@ -190,18 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     frames, warmup, repeats = (8, 2, 4) if a.quick else (16, 3, 5)
     if a.smoke:
         lengths, inflight, frames, warmup, repeats = (8,), (2,), 5, 1, 1
+    harness.progress(env, "model built")
     procs = None
     if not a.no_concurrent:
         procs = ConcurrentTasks.start(
             a.preset, a.device, a.threads, max_len_for(model.cfg, max(lengths))
         )
+        harness.progress(env, "concurrent processes started")
     try:
         with torch.no_grad():
-            rows = [
-                measure(model, n, k, frames, warmup, repeats, procs)
-                for k in inflight
-                for n in lengths
-            ]
+            rows = []
+            for k in inflight:
+                for n in lengths:
+                    rows.append(measure(model, n, k, frames, warmup, repeats, procs))
+                    harness.progress(env, f"{n} tokens x {k} in flight measured")
     finally:
         if procs is not None:
             procs.stop()

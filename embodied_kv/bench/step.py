@@ -322,19 +322,24 @@ def main(argv=None) -> int:
     sweep = SWEEPS[(args.preset, "smoke" if args.smoke else args.quick)]
     with torch.no_grad():
         model = build(args)
+        harness.progress(env, "model built")
         baselines = language_baselines(model, not args.skip_compiled, args.clock)
         hfs = {b.name: b for b in baselines}
         warm = [random_ids(sweep.context, model.cfg.vocab_size, 0, model.device)]
         ours_generate(model, warm, 3, batched=True)
-        rows = [
-            r for n in sweep.prefill for r in prefill_rows(model, hfs, n, sweep.repeats, args.clock)
-        ]
+        harness.progress(env, "baselines built")
+        rows = []
+        for n in sweep.prefill:
+            rows += prefill_rows(model, hfs, n, sweep.repeats, args.clock)
+            harness.progress(env, f"prefill {n} measured")
         exact = True
         for b in sweep.batches:
             more, ok = decode_rows(model, hfs, b, sweep, args.clock)
             rows += more
             exact &= ok
+            harness.progress(env, f"decode B={b} measured")
         rows += denoise_rows(model, 2 * sweep.repeats, not args.skip_compiled, args.clock)
+        harness.progress(env, "denoise measured")
         invariance = gemm_row_invariance(model)
     ratios = {
         f"{r['kind']}/{r.get('batch', r.get('tokens'))}/{r['baseline']}": r["speedup"] for r in rows

@@ -46,10 +46,11 @@ def load_observation(tensors: dict, meta: dict | None) -> Observation | None:
         return None
     mask = meta["camera_mask"]
     robot_state = tensors.get("robot_state")
+    # a GPU-tier capsule holds its tensors on the device: the observation is host data
     return Observation(
-        tensors["images"].clone(),
-        tensors["state"].numpy().copy(),
+        tensors["images"].to("cpu", copy=True),
+        tensors["state"].cpu().numpy().copy(),
         meta["instruction"],
         None if mask is None else tuple(mask),
-        None if robot_state is None else robot_state.numpy().copy(),
+        None if robot_state is None else robot_state.cpu().numpy().copy(),
     )

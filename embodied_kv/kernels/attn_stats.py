@@ -39,6 +39,7 @@ from embodied_kv.kernels.triton_base import (
     precision_flags,
     tl,
     triton,
+    use_kernel,
 )
 
 BLOCK_M = 16  # query rows per program (tl.dot's minimum tile side)
@@ -274,6 +275,6 @@ def attn_stats(
     q: torch.Tensor, k: torch.Tensor, scale: float, threshold: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: the kernel on CUDA, the reference elsewhere (the CPU path)."""
-    if q.is_cuda:
+    if use_kernel(q, k):
         return attn_stats_kernel(q, k, scale, threshold)
     return attn_stats_ref(q, k, scale, threshold)

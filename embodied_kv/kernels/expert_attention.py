@@ -29,6 +29,7 @@ from embodied_kv.kernels.triton_base import (
     Launch,
     tl,
     triton,
+    use_kernel,
 )
 
 
@@ -227,6 +228,6 @@ def expert_attention_kernel(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tens
 
 def expert_attention(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if q.is_cuda:
+    if use_kernel(q, kp, vp, ks, vs):
         return expert_attention_kernel(q, kp, vp, ks, vs, scale, bias)
     return expert_attention_ref(q, kp, vp, ks, vs, scale, bias)

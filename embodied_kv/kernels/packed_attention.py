@@ -45,6 +45,7 @@ from embodied_kv.kernels.triton_base import (  # triton is None where it is not 
     Launch,
     as_dtype,
     triton,
+    use_kernel,
 )
 
 ROW_BUCKET = 4  # tokens per step and GEMM rows per run are padded to a multiple of this
@@ -336,7 +337,7 @@ def packed_attention(
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA (into `out` when given), the reference elsewhere
     (with `plan` when the caller made one for these runs and lengths)."""
-    if q.is_cuda:
+    if use_kernel(q, k_cache, v_cache):
         return packed_attention_kernel(q, k_cache, v_cache, slot, kv_len, scale, out=out)
     o = packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host, plan)
     return o if out is None else out.copy_(o)

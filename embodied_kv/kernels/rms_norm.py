@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from embodied_kv.kernels.triton_base import INTERPRETED, Launch, as_dtype, pow2, tl, triton
+from embodied_kv.kernels.triton_base import (
+    INTERPRETED,
+    Launch,
+    as_dtype,
+    pow2,
+    tl,
+    triton,
+    use_kernel,
+)
 
 MAX_WIDTH = 16_384
 
@@ -135,6 +143,8 @@ def rms_norm(
     add_one: bool = False,
 ) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if x.is_cuda:
+    w = x.shape[-1]  # the kernel takes one [W] scale (and shift) for all rows
+    per_row = mult.shape != (w,) or (shift is not None and shift.shape != (w,))
+    if use_kernel(x, mult, shift) and not per_row:
         return rms_norm_kernel(x, mult, eps, shift, add_one)
     return rms_norm_ref(x, mult, eps, shift, add_one)

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from embodied_kv.kernels.triton_base import INTERPRETED, Launch, as_dtype, pow2, tl, triton
+from embodied_kv.kernels.triton_base import (
+    INTERPRETED,
+    Launch,
+    as_dtype,
+    pow2,
+    tl,
+    triton,
+    use_kernel,
+)
 
 MAX_HEAD_DIM = 256
 MAX_HEADS = 64
@@ -108,6 +116,6 @@ def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if x.is_cuda:
+    if use_kernel(x):
         return rope_kernel(x, cos, sin)
     return rope_ref(x, cos, sin)

@@ -130,6 +130,16 @@ else:
     INTERPRETED = False
 
 
+def use_kernel(*tensors: torch.Tensor | None) -> bool:
+    """The dispatch rule of every fused op: its Triton kernel on CUDA at inference, its torch
+    reference on a CPU and wherever autograd records (the kernels have no backward: training
+    on CUDA runs the references)."""
+    x = tensors[0]
+    if not x.is_cuda:
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
 def precision_flags(dtype: torch.dtype) -> dict[str, object]:
     """The numeric constexprs every attention kernel here takes, for inputs of `dtype`."""
     fp32 = dtype == torch.float32

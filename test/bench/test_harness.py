@@ -40,7 +40,7 @@ def test_ratio_is_paired_per_round():
 def test_environment_sets_threads_and_is_recorded(tmp_path):
     before = torch.get_num_threads()
     try:
-        args = make_args(["--threads", "1", "--json", str(tmp_path / "x.json")])
+        args = make_args(["--device", "cpu", "--threads", "1", "--json", str(tmp_path / "x.json")])
         env = harness.Environment.start(args, ["--threads", "1"])
         assert torch.get_num_threads() == 1
         out = harness.finish({"benchmark": "x"}, env, args.json)

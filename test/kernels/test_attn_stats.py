@@ -33,7 +33,7 @@ def test_kernel_matches_reference_fp32(kernel, heads, rows, keys):
     # an entry within rounding of the threshold could count differently: none here
     assert torch.equal(below, ref_below), (below, ref_below)
     # every row's probabilities sum to one: the column sums add up to τ per head
-    torch.testing.assert_close(col.sum(-1), torch.full((heads[0],), float(rows)))
+    torch.testing.assert_close(col.sum(-1), torch.full((heads[0],), float(rows), device=col.device))
 
 
 def test_kernel_reads_a_strided_arena_view(kernel):

@@ -58,7 +58,8 @@ def test_splitk_static_buffers_across_calls(kernel, make_inputs):
     `out` and workspace serve both steps and give the bytes of fresh buffers."""
     q, k, v, slot, kv_len, scale = make_inputs(CASES["mixed"], (4, 1, 32))
     out = torch.empty_like(q)
-    work = ds.workspace(q.shape[0], 4, 32, ds.splitk_config(q.dtype, k.shape[1]).num_splits, "cpu")
+    splits = ds.splitk_config(q.dtype, k.shape[1]).num_splits
+    work = ds.workspace(q.shape[0], 4, 32, splits, q.device)
     assert splitk(q, k, v, slot, kv_len, scale, out=out, workspace=work) is out
     other_slot, other_len = slot.flip(0), (kv_len * 7) % 136 + 1
     splitk(q, k, v, other_slot, other_len, scale, out=out, workspace=work)

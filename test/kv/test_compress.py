@@ -296,8 +296,8 @@ def test_kernels_read_each_layers_kept_rows(model):
     from embodied_kv.kernels.triton_base import INTERPRETED
     from embodied_kv.kv.step import Segment, plan_step
 
-    if not INTERPRETED and not torch.cuda.is_available():
-        pytest.skip("no GPU and no Triton interpreter")
+    if not INTERPRETED:  # CPU tensors: the kernels run on them under the interpreter only
+        pytest.skip("needs TRITON_INTERPRET=1 (the Triton kernels on this test's CPU tensors)")
     m, fp = frame(model, CompressConfig(budget=0.1, method="pyramidkv"), seed=7)
     m.create(fp, "q", TaskKind.ANSWER, 4, [5])
     arena = m.arena

@@ -1,0 +1,154 @@
+"""`embodied-kv bench latency`: one action's latency, camera images to action chunk, as the
+engine's control cycle measures it, next to the arithmetic limit of PI05_FACTS.md.
+
+`CycleResult.action_s` (engine/frame_loop.py): from the start of the cycle to the chunk in
+the action queue, on the device clock (CUDA synchronized): the vision tower, the prefix
+embedding, the one prefill, the 10 Euler steps of the action expert and the chunk's copy
+to the host. No language request runs (narration off), so nothing else shares the cycle.
+
+    graphs  the product's path: Engine with CUDA graphs (vision per camera count, step
+            buckets, one denoise graph per slot and row bucket), captured at warmup.
+            On a CPU the same graph code in emulation (replay = calling the function).
+    eager   the same engine and weights with graphs off: every op launched from Python,
+            as LeRobot's `select_action` runs pi0.5.
+
+Rounds alternate the two engines (one cycle of each per round), per camera count; the
+ratio is the median over rounds of eager / graphs. At pi05 on CUDA the verdict quotes the
+measured graphs latency as a multiple of the limit (goal: <= 1.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from embodied_kv.bench import harness
+from embodied_kv.bench.report import print_table
+from embodied_kv.engine.config import EngineConfig
+from embodied_kv.engine.engine import Engine
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.model.vla import build_model
+
+# PI05_FACTS.md: bf16 arithmetic limit of one action (10 Euler steps, 48 prompt tokens)
+LIMIT_MS = {2: 5.3, 3: 6.6}
+GOAL_X_LIMIT = 1.5
+INSTRUCTION = "pick up the cup"  # short: PI05_FACTS.md's limit is for a 48-token prompt
+
+
+def engine_for(model, mode: str, slots: int) -> Engine:
+    cfg = EngineConfig(
+        preset=model.cfg.name, device=str(model.device), num_slots=slots, narrate_every=0,
+        history=0, auto_episode_capsule=False, control_hz=1e-3,  # no deadline: none missed
+    )  # fmt: skip
+    return Engine(cfg, model=model, graph_mode=mode)
+
+
+def measure(model, engines: dict[str, Engine], cams: int, warmup: int, repeats: int) -> dict:
+    """action_s samples (ms) per engine for observations with `cams` cameras present."""
+    n = model.cfg.num_cameras
+    mask = tuple(i < cams for i in range(n))
+    samples = {name: [] for name in engines}
+    prefix = None
+    for r in range(warmup + repeats):
+        obs = synthetic_observation(model.cfg, 1000 * cams + r, INSTRUCTION, mask)
+        names = list(engines)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            engine = engines[name]
+            model.graphs = engine.graphs  # the engines share the model (and its weights)
+            engine.observe(obs)
+            res = engine.cycle(engine.frame * engine.cfg.replan_every)
+            prefix = res.prefix_len
+            if r >= warmup:
+                samples[name].append(res.action_s * 1e3)
+    return {"prefix_len": prefix, "samples": samples}
+
+
+def run(args, env: harness.Environment) -> dict:
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    depth = args.layers or None  # reduced depth: the code path at real widths on a CPU
+    cfg = get_preset(args.preset, depth, depth)
+    model = build_model(cfg, args.device, dtype)
+    mode = "cuda" if args.device == "cuda" else "emulate"
+    engines = {"graphs": engine_for(model, mode, 2), "eager": engine_for(model, "off", 2)}
+    obs = synthetic_observation(cfg, 0, INSTRUCTION)
+    for e in engines.values():
+        model.graphs = e.graphs
+        e.observe(obs)
+        e.warmup()  # captures every graph (configure time); nothing is captured after
+        e.begin_episode()
+    harness.progress(env, f"engines warm, {engines['graphs'].graphs.captures} graphs captured")
+    repeats = args.repeats or (10 if args.quick else 40)
+    cams_list = [c for c in range(1, cfg.num_cameras + 1) if args.preset != "pi05" or c >= 2]
+    rows = []
+    for cams in cams_list:
+        m = measure(model, engines, cams, warmup=2, repeats=repeats)
+        harness.progress(env, f"{cams} cameras measured")
+        g, e = m["samples"]["graphs"], m["samples"]["eager"]
+        real = args.preset == "pi05" and args.device == "cuda" and not args.layers
+        limit = LIMIT_MS.get(cams) if real else None
+        gm = statistics.median(g)
+        rows.append({
+            "cameras": cams, "prefix_len": m["prefix_len"],
+            "graphs_ms": harness.Stats.of(g).as_dict(), "eager_ms": harness.Stats.of(e).as_dict(),
+            "eager_over_graphs": harness.ratio(e, g),
+            "limit_ms": limit, "graphs_over_limit": None if limit is None else gm / limit,
+            "captures": engines["graphs"].graphs.captures,
+        })  # fmt: skip
+    model.graphs = None
+    return {
+        "benchmark": "latency", "preset": args.preset, "dtype": str(dtype).split(".")[-1],
+        "graph_mode": mode, "repeats": repeats, "rows": rows, "goal_x_limit": GOAL_X_LIMIT,
+    }  # fmt: skip
+
+
+def report(result: dict) -> None:
+    rows = result["rows"]
+    print_table(
+        "cams prefix graphs_ms p90 eager_ms eager/graphs limit_ms graphs/limit".split(),
+        [
+            [
+                r["cameras"], r["prefix_len"], r["graphs_ms"]["median"], r["graphs_ms"]["p90"],
+                r["eager_ms"]["median"], r["eager_over_graphs"], r["limit_ms"] or "-",
+                "-" if r["graphs_over_limit"] is None else f"{r['graphs_over_limit']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )  # fmt: skip
+    for r in rows:
+        if result["graph_mode"] == "emulate":  # no CUDA graph exists on a CPU
+            print(f"{r['cameras']} cameras: graphs in CPU emulation (the code path, not a "
+                  "speed: on a CPU the engine runs eager)")
+        elif r["eager_over_graphs"] < 1:
+            print(f"LOSS: {r['cameras']} cameras: eager is {1 / r['eager_over_graphs']:.2f}x "
+                  f"faster than the graph path")  # fmt: skip
+    judged = [r for r in rows if r["graphs_over_limit"] is not None]
+    if judged:
+        worst = max(r["graphs_over_limit"] for r in judged)
+        verdict = "PASS" if worst <= result["goal_x_limit"] else "FAIL"
+        print(f"VERDICT {verdict}: action latency with graphs is "
+              + ", ".join(f"{r['graphs_ms']['median']:.2f} ms = {r['graphs_over_limit']:.2f}x "
+                          f"the limit at {r['cameras']} cameras" for r in judged)
+              + f" (goal <= {result['goal_x_limit']}x)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="embodied-kv bench latency", description=__doc__.split("\n")[0]
+    )
+    harness.add_common_args(p)
+    p.add_argument("--repeats", type=int, default=0, help="rounds per camera count (0: 10 / 40)")
+    p.add_argument("--layers", type=int, default=0, help="depth override (0: the preset's)")
+    args = harness.parse(p, argv)
+    env = harness.Environment.start(args, argv)
+    result = run(args, env)
+    report(result)
+    harness.finish(result, env, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
