@@ -193,7 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gpu-check"]:  # its own flags first: argparse's REMAINDER would refuse them
+        from embodied_kv import gpu_check
+
+        return gpu_check.main(argv[1:])
+    args = build_parser().parse_args(argv)
     return args.run(args)
 
 

@@ -66,9 +66,10 @@ def environment(device: str | torch.device = "cuda") -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        # a copy without .git (a device machine's working tree) names its commit in the env
-        "commit": (head := _git("rev-parse", "HEAD")) or os.environ.get("EMBODIED_KV_COMMIT"),
-        "dirty": None if head is None else bool(_git("status", "--porcelain")),
+        # a copied working tree (a device machine's) names its commit: its .git may be stale
+        "commit": os.environ.get("EMBODIED_KV_COMMIT") or _git("rev-parse", "HEAD"),
+        "dirty": None if os.environ.get("EMBODIED_KV_COMMIT") or _git("rev-parse", "HEAD") is None
+        else bool(_git("status", "--porcelain")),
     }
 
 

@@ -30,6 +30,20 @@ def test_make_gpu_check_without_cuda_stops_with_one_line():
     assert proc.stdout == ""  # nothing ran
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: gpu-check would run")
+def test_gpu_check_flags_pass_through_make_and_the_cli():
+    """`make gpu-check GPU_CHECK_ARGS="--skip-tests ..."` reaches gpu_check.py's own parser
+    (the CLI's REMAINDER argument refused flags in front: 'unrecognized arguments')."""
+    env = dict(os.environ, PYTHON=sys.executable)
+    args = "GPU_CHECK_ARGS=--skip-tests --only latency,capsule --timeout 60 --bench-args=--quick"
+    proc = subprocess.run(
+        ["make", "-s", "gpu-check", args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr, proc.stderr
+    assert "unrecognized arguments" not in proc.stderr and "usage:" not in proc.stderr
+
+
 def test_environment_json_and_results_folder(tmp_path):
     env = environment("cpu")
     assert {"date", "device", "driver", "cuda", "torch", "triton", "python", "commit"} <= set(env)

@@ -117,7 +117,8 @@ def _velocity_hf_style(expert, x_t, t, cache: DynamicCache, prefix_len: int) -> 
     shim = SimpleNamespace(num_key_value_groups=e.heads // e.kv_heads, training=False)
     cond = expert.time_cond(t)
     position = torch.arange(prefix_len, prefix_len + h_len, device=device)
-    h = expert.action_in_proj(x_t)
+    # the precision policy (model/precision.py): fp32 action projections, bf16 layers
+    h = expert.action_in_proj(x_t.to(expert.action_in_proj.weight.dtype)).to(expert.dtype)
     for i, layer in enumerate(expert.layers):
         attn = layer.self_attn
         xn, gate = layer.input_layernorm(h, cond)
@@ -133,7 +134,7 @@ def _velocity_hf_style(expert, x_t, t, cache: DynamicCache, prefix_len: int) -> 
         xn, gate = layer.post_attention_layernorm(h, cond)
         h = h + layer.mlp(xn) * gate
     h, _ = expert.norm(h, cond)
-    return expert.action_out_proj(h)
+    return expert.action_out_proj(h.to(expert.action_out_proj.weight.dtype))
 
 
 @torch.no_grad()

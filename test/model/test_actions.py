@@ -3,8 +3,10 @@
 import numpy as np
 import torch
 
+from embodied_kv.model.config import get_preset
 from embodied_kv.model.hf_interop import arena_to_dynamic_cache, sample_actions_hf_style
 from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.model.vla import build_model
 
 # fp32: ours reads the prefix in place with a split softmax; LeRobot's way concatenates
 # it with the suffix and uses HF's eager attention. Measured max |diff| ~5e-7.
@@ -69,3 +71,22 @@ def test_lerobot_style_cloned_cache_gives_the_same_chunk(tiny_model):
     theirs = sample_actions_hf_style(tiny_model.expert, cache, n, noise)
     assert (ours - theirs).abs().max().item() < HF_STYLE_ATOL
     assert cache.get_seq_length() == n  # every step cloned it; the template never grew
+
+
+def test_lerobot_style_baseline_runs_under_the_bf16_precision_policy():
+    """pi05 on a GPU is bf16 with fp32 action projections and Euler state (model/precision.py):
+    the benchmark's baseline must cast as the expert does (it crashed at `bench step --preset
+    pi05 --device cuda`: fp32 activations into bf16 layers)."""
+    model = build_model(get_preset("tiny"), "cpu", torch.bfloat16)
+    assert model.expert.action_in_proj.weight.dtype == torch.float32
+    assert model.expert.dtype == torch.bfloat16
+    arena = model.new_arena(2, 256)
+    slot = arena.allocate()
+    prefix = model.embed_prefix(synthetic_observation(model.cfg, 4))
+    model.prefill(arena, slot, prefix)
+    n = prefix.embeds.shape[0]
+    noise = model.make_noise(3)
+    ours = model.sample_actions(arena, slot, n, noise)
+    theirs = sample_actions_hf_style(model.expert, arena_to_dynamic_cache(arena, slot, n), n, noise)
+    assert theirs.dtype == torch.float32 and theirs.shape == ours.shape
+    assert (ours.float() - theirs).abs().max().item() < 0.1  # bf16 layers: rounding, not bugs
