@@ -28,7 +28,9 @@ from embodied_kv.bench import harness
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
+from embodied_kv.kernels.expert_attention import split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
+from embodied_kv.kernels.prefill_tile import tile_config
 from embodied_kv.kv.step import Segment, commit_step, plan_step
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
@@ -71,13 +73,20 @@ def rope_cost(x, cos, sin) -> tuple[float, float]:
     return 3.0 * x.numel(), 2.0 * x.numel() * x.element_size() + 2 * cos.numel() * 4
 
 
-def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> tuple[float, float]:
-    """The expert attention kernel (kernels/expert_attention.py): QK^T and PV over prefix +
-    suffix rows for every query; q and out once, the prefix and suffix K/V once."""
+def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float]]:
+    """The expert attention's two kernels (kernels/expert_attention.py): the split partials
+    (QK^T and PV over prefix + suffix rows for every query; q once, the prefix and suffix K/V
+    once, fp32 partials written) and their reduce (partials read, out written)."""
     h_len, hq, d = q.shape
     rows = kp.shape[0] + ks.shape[0]
     kv = 2 * rows * kp.shape[1] * d * kp.element_size()
-    return 4.0 * h_len * hq * d * rows, 2.0 * q.numel() * q.element_size() + kv + bias.numel() * 4
+    splits = split_count(kp.shape[0], tile_config(q.dtype, hq // kp.shape[1]).block_n)
+    partials = 4.0 * h_len * hq * splits * (d + 2)  # fp32 acc, max and sum per split
+    q_bytes = q.numel() * q.element_size()
+    return [
+        (4.0 * h_len * hq * d * rows, q_bytes + kv + bias.numel() * 4 + partials),
+        (3.0 * h_len * hq * splits * d, partials + q_bytes),
+    ]
 
 
 def gelu_gate_cost(gate, up) -> tuple[float, float]:

@@ -98,14 +98,16 @@ class Census(TorchDispatchMode):
     @contextmanager
     def single_kernel(self, cost):
         """Ops inside are one GPU kernel (a fused / Triton kernel); `cost()` -> (FLOPs,
-        bytes), evaluated unrecorded after the block."""
+        bytes), evaluated unrecorded after the block, or a list of such pairs where the
+        fused op is a fixed sequence of kernels (split partials, then their reduce)."""
         old, self._muted = self._muted, True
         try:
             yield
-            flops, nbytes = cost()
+            costs = cost()
         finally:
             self._muted = old
-        self._add("single_kernel", flops, nbytes)
+        for flops, nbytes in costs if isinstance(costs, list) else [costs]:
+            self._add("single_kernel", flops, nbytes)
 
     def _add(
         self, op: str, flops: float, nbytes: float, syncs: int = 0, fp32: bool = False

@@ -15,6 +15,9 @@ to the host. No language request runs (narration off), so nothing else shares th
 Rounds alternate the two engines (one cycle of each per round), per camera count; the
 ratio is the median over rounds of eager / graphs. At pi05 on CUDA the verdict quotes the
 measured graphs latency as a multiple of the limit (goal: <= 1.5x).
+
+--breakdown: afterwards, a separate pass over the graphs engine times each region of the
+action (vision, prefix embedding, prefill, denoise, host): bench/latency_breakdown.py.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import sys
 
 import torch
 
-from embodied_kv.bench import harness
+from embodied_kv.bench import harness, latency_breakdown
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
@@ -47,14 +50,18 @@ def engine_for(model, mode: str, slots: int) -> Engine:
     return Engine(cfg, model=model, graph_mode=mode)
 
 
+def observation(cfg, cams: int, seed: int):
+    """A synthetic observation with the first `cams` cameras present."""
+    mask = tuple(i < cams for i in range(cfg.num_cameras))
+    return synthetic_observation(cfg, seed, INSTRUCTION, mask)
+
+
 def measure(model, engines: dict[str, Engine], cams: int, warmup: int, repeats: int) -> dict:
     """action_s samples (ms) per engine for observations with `cams` cameras present."""
-    n = model.cfg.num_cameras
-    mask = tuple(i < cams for i in range(n))
     samples = {name: [] for name in engines}
     prefix = None
     for r in range(warmup + repeats):
-        obs = synthetic_observation(model.cfg, 1000 * cams + r, INSTRUCTION, mask)
+        obs = observation(model.cfg, cams, 1000 * cams + r)
         names = list(engines)
         for name in names[r % len(names) :] + names[: r % len(names)]:
             engine = engines[name]
@@ -98,6 +105,13 @@ def run(args, env: harness.Environment) -> dict:
             "limit_ms": limit, "graphs_over_limit": None if limit is None else gm / limit,
             "captures": engines["graphs"].graphs.captures,
         })  # fmt: skip
+    if args.breakdown:  # after the headline rounds: its syncs stay out of them
+        for row in rows:
+            cams, n = row["cameras"], 2 + repeats
+            obs = (observation(cfg, cams, 1000 * cams + 500 + r) for r in range(n))
+            medians, action = latency_breakdown.breakdown(model, engines["graphs"], obs, 2)
+            row.update(breakdown_ms=medians, breakdown_action_ms=action)
+            harness.progress(env, f"{cams} cameras broken down")
     model.graphs = None
     return {
         "benchmark": "latency", "preset": args.preset, "dtype": str(dtype).split(".")[-1],
@@ -133,6 +147,7 @@ def report(result: dict) -> None:
               + ", ".join(f"{r['graphs_ms']['median']:.2f} ms = {r['graphs_over_limit']:.2f}x "
                           f"the limit at {r['cameras']} cameras" for r in judged)
               + f" (goal <= {result['goal_x_limit']}x)")  # fmt: skip
+    latency_breakdown.report(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_common_args(p)
     p.add_argument("--repeats", type=int, default=0, help="rounds per camera count (0: 10 / 40)")
     p.add_argument("--layers", type=int, default=0, help="depth override (0: the preset's)")
+    p.add_argument(
+        "--breakdown", action="store_true",
+        help="then time each region of one action on the graphs engine (a separate pass)",
+    )  # fmt: skip
     args = harness.parse(p, argv)
     env = harness.Environment.start(args, argv)
     result = run(args, env)

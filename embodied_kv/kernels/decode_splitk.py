@@ -240,13 +240,19 @@ def plan_splitk(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    reduce = Launch(
-        name=f"splitk_reduce {tag}",
+    return [partial, plan_reduce(m, l_s, acc, out, f"splitk_reduce {tag}", cfg.reduce_warps)]
+
+
+def plan_reduce(m, l_s, acc, out, name: str, num_warps: int = 4) -> Launch:
+    """The reduce launch over a split workspace (m, l [N, Hq, S], acc [N, Hq, S, D]) into
+    out [N, Hq, D]; at least one split of every (token, head) must hold a key."""
+    n_tok, hq, splits, d = acc.shape
+    return Launch(
+        name=name,
         kernel=_splitk_reduce,
         grid=(n_tok, hq),
         args=(m, l_s, acc, out, hq, out.stride(0), out.stride(1)),
         constexprs={"HEAD_DIM": d, "BLOCK_D": pow2(d), "NUM_SPLITS": splits},
-        num_warps=cfg.reduce_warps,
+        num_warps=num_warps,
         num_stages=1,
     )
-    return [partial, reduce]

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import torch
 
+from embodied_kv.kernels.decode_splitk import MAX_SPLITS, MIN_SPLITS, plan_reduce, workspace
 from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
 from embodied_kv.kernels.triton_base import (
     LOG2E,
     MAX_GROUP,
     MAX_HEAD_DIM,
     Launch,
+    pow2,
     tl,
     triton,
     use_kernel,
@@ -58,21 +60,36 @@ def expert_attention_ref(q, kp, vp, ks, vs, scale: float, bias: torch.Tensor) ->
     return o.view(hkv, h_len, g, d).permute(1, 0, 2, 3).reshape(h_len, hq, d)
 
 
+BLOCKS_PER_SPLIT = 4  # key blocks of the prefix per program (BLOCK_N 16: 64 rows)
+
+
+def split_count(n_prefix: int, block_n: int) -> int:
+    """Programs per (tile, KV head): NUM_SPLITS - 1 chunks of the prefix of about
+    BLOCKS_PER_SPLIT key blocks each, plus one for the suffix; a power of two (the reduce
+    kernel's tile), at most MAX_SPLITS. From shapes only: a graph's row bucket fixes it."""
+    blocks = -(-n_prefix // block_n)
+    return min(MAX_SPLITS, pow2(-(-blocks // BLOCKS_PER_SPLIT) + 1, MIN_SPLITS))
+
+
 if triton is not None:
     from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
     @triton.jit
-    def _expert_attention_fwd(
+    def _expert_attention_partial(
         q_ptr,  # [H, Hq, D] suffix queries
         kp_ptr,  # [P, Hkv, D] prefix keys: a slot's rows of one arena layer, in place
         vp_ptr,  # [P, Hkv, D] prefix values
         ks_ptr,  # [H, Hkv, D] suffix keys
         vs_ptr,  # [H, Hkv, D] suffix values
         bias_ptr,  # [P + H] fp32 mask: 0 (attend) or -inf; only the prefix part is read
-        out_ptr,  # [H, Hq, D] output
+        m_ptr,  # [H, Hq, NUM_SPLITS] fp32 out: max score per split (exp2 domain)
+        l_ptr,  # [H, Hq, NUM_SPLITS] fp32 out: softmax denominator per split
+        acc_ptr,  # [H, Hq, NUM_SPLITS, D] fp32 out: unnormalised output per split
         h_len,  # H
         n_prefix,  # P
+        chunk,  # prefix rows per split, a multiple of BLOCK_N
         qk_scale,  # softmax scale * log2(e)
+        n_heads,  # Hq
         stride_qn,  # q stride over tokens (elements)
         stride_qh,  # q stride over heads
         stride_kpt,  # prefix k stride over rows
@@ -83,119 +100,113 @@ if triton is not None:
         stride_ksh,  # suffix k stride over kv heads
         stride_vst,  # suffix v stride over tokens
         stride_vsh,  # suffix v stride over kv heads
-        stride_on,  # out stride over tokens
-        stride_oh,  # out stride over heads
         GROUP: tl.constexpr,  # Hq // Hkv
         GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
         BLOCK_M: tl.constexpr,  # suffix tokens per tile; BLOCK_M * GROUP_PAD >= 16
         HEAD_DIM: tl.constexpr,  # D
         BLOCK_D: tl.constexpr,  # D rounded up to a power of two >= 16
         BLOCK_N: tl.constexpr,  # keys per online-softmax step
+        NUM_SPLITS: tl.constexpr,  # prefix chunks + 1 (the suffix)
         SPLIT_P: tl.constexpr,
         DOT_IN_FP32: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
     ):
-        # tile row r = (suffix token r // GROUP_PAD, query head r % GROUP_PAD of KV head h)
+        # Grid (tiles, Hkv, NUM_SPLITS). Tile row r = (suffix token r // GROUP_PAD, query head
+        # r % GROUP_PAD of KV head h); split j < NUM_SPLITS - 1 reads prefix rows
+        # [j * chunk, (j + 1) * chunk), the last split the H suffix rows.
         kv_head = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
         offs_r = tl.arange(0, BLOCK_M * GROUP_PAD)
         offs_d = tl.arange(0, BLOCK_D)
         offs_n = tl.arange(0, BLOCK_N)
         tok = tl.program_id(0).to(tl.int64) * BLOCK_M + offs_r // GROUP_PAD
         g = offs_r % GROUP_PAD
         mask_d = offs_d < HEAD_DIM
-        live = ((tok < h_len) & (g < GROUP))[:, None] & mask_d[None, :]  # [ROWS, BLOCK_D]
+        live_r = (tok < h_len) & (g < GROUP)  # [ROWS]
         heads = kv_head * GROUP + g
         q = tl.load(
             q_ptr + tok[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=live,
+            mask=live_r[:, None] & mask_d[None, :],
             other=0.0,
         )  # padded rows see q = 0: finite scores, no NaN
         m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        kp_base = kp_ptr + kv_head * stride_kph
-        vp_base = vp_ptr + kv_head * stride_vph
-        for block in range(0, n_prefix, BLOCK_N):  # the prefix: row 0 admitted, see header
-            rows = block + offs_n
-            b = tl.load(bias_ptr + rows, mask=rows < n_prefix, other=float("-inf"))
-            # masked rows are not even loaded: whatever a bucket's tail holds (stale rows of a
-            # language request, NaN) stays out of both products
-            admitted = b == 0.0  # [BLOCK_N]
-            k = tl.load(
-                kp_base + rows[None, :] * stride_kpt + offs_d[:, None],
-                mask=admitted[None, :] & mask_d[:, None],
-                other=0.0,
-            )  # [BLOCK_D, BLOCK_N]
-            v = tl.load(
-                vp_base + rows[:, None] * stride_vpt + offs_d[None, :],
-                mask=admitted[:, None] & mask_d[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
-            m_i, l_i, acc = attend_block(
-                q, k, v, admitted[None, :], m_i, l_i, acc, qk_scale,
-                SPLIT_P, DOT_IN_FP32, INPUT_PRECISION,
-            )  # fmt: skip
-        ks_base = ks_ptr + kv_head * stride_ksh
-        vs_base = vs_ptr + kv_head * stride_vsh
-        for block in range(0, h_len, BLOCK_N):  # the suffix, bidirectional
-            rows = block + offs_n
-            k, v = load_kv_block(
-                ks_base, vs_base, rows, h_len, offs_d, mask_d, stride_kst, stride_vst
-            )
-            valid = (rows < h_len)[None, :]
-            m_i, l_i, acc = attend_block(
-                q, k, v, valid, m_i, l_i, acc, qk_scale, SPLIT_P, DOT_IN_FP32, INPUT_PRECISION
-            )
-        out = acc / l_i[:, None]
+        if split < NUM_SPLITS - 1:  # a chunk of the prefix; it may hold no admitted row
+            kp_base = kp_ptr + kv_head * stride_kph
+            vp_base = vp_ptr + kv_head * stride_vph
+            start = split * chunk
+            end = tl.minimum(start + chunk, n_prefix)
+            for block in range(start, end, BLOCK_N):
+                rows = block + offs_n
+                b = tl.load(bias_ptr + rows, mask=rows < end, other=float("-inf"))
+                # masked rows are not even loaded: whatever a bucket's tail holds (stale rows
+                # of a language request, NaN) stays out of both products
+                admitted = b == 0.0  # [BLOCK_N]
+                k = tl.load(
+                    kp_base + rows[None, :] * stride_kpt + offs_d[:, None],
+                    mask=admitted[None, :] & mask_d[:, None],
+                    other=0.0,
+                )  # [BLOCK_D, BLOCK_N]
+                v = tl.load(
+                    vp_base + rows[:, None] * stride_vpt + offs_d[None, :],
+                    mask=admitted[:, None] & mask_d[None, :],
+                    other=0.0,
+                )  # [BLOCK_N, BLOCK_D]
+                m_i, l_i, acc = attend_block(
+                    q, k, v, admitted[None, :], m_i, l_i, acc, qk_scale,
+                    SPLIT_P, DOT_IN_FP32, INPUT_PRECISION,
+                )  # fmt: skip
+        else:  # the suffix, bidirectional: every row sees H >= 1 keys, so m_i is finite
+            ks_base = ks_ptr + kv_head * stride_ksh
+            vs_base = vs_ptr + kv_head * stride_vsh
+            for block in range(0, h_len, BLOCK_N):
+                rows = block + offs_n
+                k, v = load_kv_block(
+                    ks_base, vs_base, rows, h_len, offs_d, mask_d, stride_kst, stride_vst
+                )
+                valid = (rows < h_len)[None, :]
+                m_i, l_i, acc = attend_block(
+                    q, k, v, valid, m_i, l_i, acc, qk_scale,
+                    SPLIT_P, DOT_IN_FP32, INPUT_PRECISION,
+                )  # fmt: skip
+        part = (tok * n_heads + heads) * NUM_SPLITS + split  # [ROWS] rows of the workspace
+        tl.store(m_ptr + part, m_i, mask=live_r)
+        tl.store(l_ptr + part, l_i, mask=live_r)
         tl.store(
-            out_ptr + tok[:, None] * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=live,
+            acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            acc,
+            mask=live_r[:, None] & mask_d[None, :],
         )
 
 
-def plan_expert_attention(q, kp, vp, ks, vs, scale: float, bias, out) -> Launch:
-    """The one launch of an expert attention call (inputs already validated)."""
+def plan_expert_attention(q, kp, vp, ks, vs, scale: float, bias, out, work=None) -> list[Launch]:
+    """The two launches of an expert attention call (inputs already validated): the split
+    partials, then decode_splitk's reduce over them (same workspace layout). `work`: a
+    `decode_splitk.workspace(H, Hq, D, splits)`, allocated here if None."""
     h_len, hq, d = q.shape
-    hkv = kp.shape[1]
+    n_p, hkv = kp.shape[0], kp.shape[1]
     group = hq // hkv
     cfg = tile_config(q.dtype, group)
-    name = (
-        f"expert_attention {str(q.dtype).removeprefix('torch.')} D={d} group={group} "
-        f"block_m={cfg.block_m} block_n={cfg.block_n}"
-    )
-    return Launch(
-        name=name,
-        kernel=_expert_attention_fwd,
-        grid=(-(-h_len // cfg.block_m), hkv),
+    splits = split_count(n_p, cfg.block_n)
+    blocks = -(-n_p // cfg.block_n)
+    chunk = -(-blocks // (splits - 1)) * cfg.block_n  # whole key blocks per prefix split
+    m, l_s, acc = workspace(h_len, hq, d, splits, q.device) if work is None else work
+    tag = f"{str(q.dtype).removeprefix('torch.')} D={d} group={group} splits={splits}"
+    partial = Launch(
+        name=f"expert_attention {tag} block_m={cfg.block_m} block_n={cfg.block_n}",
+        kernel=_expert_attention_partial,
+        grid=(-(-h_len // cfg.block_m), hkv, splits),
         args=(
-            q,
-            kp,
-            vp,
-            ks,
-            vs,
-            bias,
-            out,
-            h_len,
-            kp.shape[0],
-            scale * LOG2E,
-            q.stride(0),
-            q.stride(1),
-            kp.stride(0),
-            kp.stride(1),
-            vp.stride(0),
-            vp.stride(1),
-            ks.stride(0),
-            ks.stride(1),
-            vs.stride(0),
-            vs.stride(1),
-            out.stride(0),
-            out.stride(1),
+            q, kp, vp, ks, vs, bias, m, l_s, acc, h_len, n_p, chunk, scale * LOG2E, hq,
+            q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         ),  # fmt: skip
-        constexprs=tile_constexprs(cfg, group, d, q.dtype),
+        constexprs={**tile_constexprs(cfg, group, d, q.dtype), "NUM_SPLITS": splits},
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    return [partial, plan_reduce(m, l_s, acc, out, f"expert_reduce {tag}")]
 
 
 def expert_attention_kernel(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tensor:
@@ -222,7 +233,8 @@ def expert_attention_kernel(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tens
             f"bias: expected fp32 [{n_p + h_len}], got {bias.dtype} {tuple(bias.shape)}"
         )
     out = torch.empty(h_len, hq, d, dtype=q.dtype, device=q.device)
-    plan_expert_attention(q, kp, vp, ks, vs, scale, bias, out).run()
+    for launch in plan_expert_attention(q, kp, vp, ks, vs, scale, bias, out):
+        launch.run()
     return out
 
 

@@ -191,8 +191,8 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     q = torch.empty(50, hq, d, dtype=torch.bfloat16, device="meta")
     kv = torch.empty(1024, hkv, d, dtype=torch.bfloat16, device="meta")
     bias = torch.empty(1024 + 50, device="meta")
-    att = plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q)
-    launches.setdefault(att.name, att)
+    for att in plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q):
+        launches.setdefault(att.name, att)
     # VL-Cache's statistics: the prompt text's rows (here 64) over a 3-camera prefix (1024 rows)
     q = torch.empty(64, hq, d, dtype=torch.bfloat16, device="meta")
     blocks = -(-64 // STATS_BLOCK_M)

@@ -90,15 +90,17 @@ if triton is not None:
         DOT_IN_FP32: tl.constexpr,  # interpreter only, see dot
         INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding)
     ):
-        """One online-softmax (flash-attention) step over BLOCK_N keys. Every row must have seen
-        at least one valid key by the end of its first block, so m_i stays finite after it; a
-        later block with no valid key for a row leaves that row's state bit-identical."""
+        """One online-softmax (flash-attention) step over BLOCK_N keys. A block with no valid
+        key for a row leaves that row's state bit-identical: m_i = -inf, l_i = 0, acc = 0 while
+        a row has seen none (a split of the expert's prefix may hold only masked rows)."""
         zeros = tl.zeros([q.shape[0], k.shape[1]], dtype=tl.float32)
         scores = dot(q, k, zeros, DOT_IN_FP32, INPUT_PRECISION) * qk_scale
         scores = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])  # [R, BLOCK_N] fp32
+        # no key yet: subtract 0, not -inf (-inf - -inf is NaN); a finite m_new is unchanged
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(scores - m_sub[:, None])  # [R, BLOCK_N] fp32
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if SPLIT_P:

@@ -5,12 +5,27 @@ interpreter on CPU: suffix lengths that end mid-tile, prefixes masked past their
 import pytest
 import torch
 
-from embodied_kv.kernels.expert_attention import expert_attention_kernel, expert_attention_ref
+from embodied_kv.kernels.decode_splitk import MAX_SPLITS
+from embodied_kv.kernels.expert_attention import (
+    expert_attention_kernel,
+    expert_attention_ref,
+    split_count,
+)
+from embodied_kv.kernels.prefill_tile import tile_config
 
 from .conftest import DEVICE, FP32_TOL, HEADS, LOW_PRECISION_FACTOR
 
-# (suffix tokens H, prefix rows read P, prefix length <= P): exact prefix, masked bucket
-CASES = {"exact": (10, 37, 37), "bucket": (13, 64, 41), "one_row": (3, 16, 1)}
+# (suffix tokens H, prefix rows read P, prefix length <= P): exact prefix, masked bucket;
+# the prefix is split over programs (split_count): many splits, splits holding only masked
+# rows (a short prefix in a long bucket), and the MAX_SPLITS cap (chunks of several blocks)
+CASES = {
+    "exact": (10, 37, 37),
+    "bucket": (13, 64, 41),
+    "one_row": (3, 16, 1),
+    "many_splits": (9, 300, 300),
+    "masked_splits": (5, 320, 41),
+    "capped": (2, 2100, 1999),
+}
 
 
 def inputs(case, heads, dtype=torch.float32, seed=0):
@@ -48,7 +63,15 @@ def test_kernel_matches_reference_fp32(kernel, case, heads):
     torch.testing.assert_close(out, finite_ref(*args), atol=FP32_TOL, rtol=FP32_TOL)
 
 
-@pytest.mark.parametrize("case", ["exact", "bucket"])
+def test_split_counts_cover_the_cases():
+    """The cases above exercise 2 splits, several, and the cap."""
+    block_n = tile_config(torch.float32, 8).block_n
+    counts = {c: split_count(CASES[c][1], block_n) for c in CASES}
+    assert counts["exact"] == 2 and 4 <= counts["many_splits"] < MAX_SPLITS
+    assert counts["capped"] == MAX_SPLITS and counts["masked_splits"] >= 4
+
+
+@pytest.mark.parametrize("case", ["exact", "bucket", "masked_splits"])
 def test_kernel_low_precision(kernel, case):
     q, kp, vp, ks, vs, scale, bias = inputs(case, HEADS["pi05"], torch.bfloat16, seed=1)
     exact = finite_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale, bias)
