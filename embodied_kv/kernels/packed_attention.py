@@ -14,10 +14,13 @@ the step planner (kv/step.py) computes. Hq must be a multiple of Hkv (MQA / GQA)
 
 The reference is also the CPU hot path, so it is written to be batch-invariant: the
 result for a token does not depend on which other tokens share the step. CPU fp32
-GEMMs round differently for small row counts: measured here (torch 2.13 CPU, one
-thread, every GEMM shape of the tiny preset, `bench step` records the probe) rows
-1..3 disagree with >= 4 rows, and an earlier torch build disagreed at 1..11 except 4
-and 8, so the multiples of ROW_BUCKET = 4 agree on both. A step is padded once to a
+GEMMs round differently for small row counts: on the AMD EPYC CI machine (torch 2.13 CPU,
+one or two threads) rows 1..3 disagree with >= 4 rows, an earlier torch build disagreed at
+1..11 except 4 and 8, and an Intel Xeon (the H100 machine's host, MKL) at 1..15 with any
+thread count. So ROW_BUCKET is probed once per process (`probe_row_bucket`: the smallest
+power of two whose multiples all agree with a 64-row GEMM, at one thread and at the
+process's count; 4 on the CI machine) or set with EMBODIED_KV_ROW_BUCKET. `bench step`
+records the probe over the model's own shapes. A step is padded once to a
 multiple of ROW_BUCKET tokens (kv/step.py); inside attention a run of n tokens of one
 slot is [n * group, D] query rows (the query heads of a kv head folded into rows), padded
 only where n * group < ROW_BUCKET. Runs with the same (tokens, key bucket) go through one
@@ -30,6 +33,7 @@ the backbone makes them once per step and every layer with the same lengths reus
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +52,41 @@ from embodied_kv.kernels.triton_base import (  # triton is None where it is not 
     use_kernel,
 )
 
-ROW_BUCKET = 4  # tokens per step and GEMM rows per run are padded to a multiple of this
+ROW_BUCKETS = (4, 8, 16, 32)  # candidates, smallest first
+PROBE_SHAPES = ((64, 64), (256, 64), (64, 256), (1024, 256), (256, 1024))  # [out, in] fp32
+
+
+def probe_row_bucket(shapes=PROBE_SHAPES, ref_rows: int = 64) -> int:
+    """The smallest ROW_BUCKETS entry b such that, for every shape, a CPU fp32 GEMM of any
+    multiple of b rows equals the same rows of a ref_rows GEMM, bit for bit, at one thread
+    and at the current thread count (~30 ms). The largest candidate if none is."""
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    bad: set[int] = set()
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            for n_out, n_in in shapes:
+                w = torch.randn(n_out, n_in, generator=g)
+                x = torch.randn(ref_rows, n_in, generator=g)
+                ref = F.linear(x, w)
+                same = [torch.equal(F.linear(x[:m], w), ref[:m]) for m in range(1, ref_rows)]
+                bad |= {m for m, ok in enumerate(same, start=1) if not ok}
+    finally:
+        torch.set_num_threads(threads)
+    return next((b for b in ROW_BUCKETS if not any(m % b == 0 for m in bad)), ROW_BUCKETS[-1])
+
+
+def _row_bucket() -> int:
+    given = os.environ.get("EMBODIED_KV_ROW_BUCKET", "")
+    if not given:
+        return probe_row_bucket()
+    if not given.isdigit() or int(given) not in ROW_BUCKETS:
+        raise ValueError(f"EMBODIED_KV_ROW_BUCKET={given!r}: use one of {ROW_BUCKETS}")
+    return int(given)
+
+
+ROW_BUCKET = _row_bucket()  # tokens per step and GEMM rows per run are padded to a multiple
 KEY_BLOCK = 64  # keys per run are padded to a multiple of this
 
 Run = tuple[int, int, int]  # (slot, first token index, number of tokens)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from embodied_kv.bench import step
+from embodied_kv.kernels.packed_attention import ROW_BUCKET
 
 LANGUAGE = {"hf_eager_one_by_one", "hf_sdpa_batched", "hf_static_compiled"}
 
@@ -48,7 +49,7 @@ def test_bench_step_json(tmp_path, capsys):
     assert set(denoise) == {"lerobot_eager", "openpi_compiled"}
     assert denoise["lerobot_eager"]["max_abs_action_diff"] < 1e-5
     inv = result["gemm_row_invariance"]
-    assert inv["bucket_sizes_that_differ"] == [] and inv["row_bucket"] == 4
+    assert inv["bucket_sizes_that_differ"] == [] and inv["row_bucket"] == ROW_BUCKET
     assert "base/ours" in capsys.readouterr().out
 
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from embodied_kv.kernels.packed_attention import bucket
 from embodied_kv.kv.arena import ArenaSpec, KVArena
 from embodied_kv.kv.step import Segment, commit_step, plan_step
 
@@ -56,7 +57,7 @@ def test_plan_layout_rows_kv_len_and_padding():
     s0, s1 = a.allocate(), a.allocate()
     commit_step(a, plan_step(a, [Segment(s1, 7)]))
     plan = plan_step(a, [Segment(s0, 3, causal=False), Segment(s1, 2, causal=True)])
-    assert plan.n_real == 5 and plan.n_padded == 8  # the next multiple of ROW_BUCKET = 4
+    assert plan.n_real == 5 and plan.n_padded == bucket(5)  # the next multiple of ROW_BUCKET
     assert plan.slot[:5].tolist() == [s0] * 3 + [s1] * 2
     assert plan.row[0, :5].tolist() == [0, 1, 2, 7, 8]
     assert plan.kv_len[0, :5].tolist() == [3, 3, 3, 8, 9]  # bidirectional, then causal
