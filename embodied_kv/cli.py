@@ -111,7 +111,8 @@ def run_train(args: argparse.Namespace) -> int:
     from embodied_kv.world.dataset import DataConfig
 
     try:
-        given = {k: getattr(args, k) for k in ("batch", "lr", "threads", "curriculum", "warmup")}
+        given = {k: getattr(args, k)
+                 for k in ("batch", "lr", "threads", "curriculum", "warmup", "data_workers")}
         data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=int, help="default: TrainConfig.batch (train/loop.py)")
     tr.add_argument("--lr", type=float, help="default: TrainConfig.lr")
     tr.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
+    tr.add_argument("--data-workers", type=int,
+                    help="processes rendering the next steps' samples (default 0: in-process; "
+                         "a GPU run needs several)")  # fmt: skip
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default="cpu", help="cpu or cuda (fp32 weights either way)")
     tr.add_argument("--ckpt-every", type=int, default=200)

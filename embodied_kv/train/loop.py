@@ -19,9 +19,10 @@ from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.losses import compute_losses
+from embodied_kv.train.samples import StepSamples
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
-from embodied_kv.world.dataset import DataConfig, Sample, make_sample
+from embodied_kv.world.dataset import DataConfig, Sample
 from embodied_kv.world.render import LABELS
 
 TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
@@ -48,6 +49,7 @@ class TrainConfig:
     log_every: int = 10
     ckpt_every: int = 200
     threads: int = 1
+    data_workers: int = 0  # processes making the next steps' samples (0: in this process)
     device: str = "cpu"  # parameters stay fp32 on every device (AdamW master weights)
     # steps of the easy phase: one-hop memory queries over facts that never change (the
     # issue: associative recall sits at chance for long without a curriculum); 0 = none
@@ -63,6 +65,8 @@ class TrainConfig:
                              f"minutes={self.minutes})")  # fmt: skip
         if self.batch < 1 or self.lr <= 0 or self.log_every < 1 or self.ckpt_every < 1:
             raise ValueError(f"bad train config: {self}")
+        if self.data_workers < 0:
+            raise ValueError(f"data_workers={self.data_workers} must be >= 0")
         if self.curriculum < 0:
             raise ValueError(f"curriculum={self.curriculum} steps must be >= 0")
         if self.init and not Path(self.init).is_file():
@@ -127,43 +131,48 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     bar = tqdm(total=cfg.steps or None, disable=not progress, unit="step", dynamic_ncols=True)
     step = 0
     first_acc: dict[str, list[int]] = {}  # per kind over the log window: [right, counted]
-    while True:
-        elapsed = time.perf_counter() - start
-        done = run_done(cfg, step, elapsed)
-        if done >= 1.0:
-            break
-        if step and step % cfg.log_every == 0:  # ETA of the bar from the share done
-            bar.total = max(step + 1, round(step / done))
-        step_data = data_at(cfg, data, step)
-        samples = [make_sample(step_data, data_seed(cfg.seed, step, i, cfg.batch))
-                   for i in range(cfg.batch)]  # fmt: skip
-        batches = [make_batch(part, model.tokenizer, mcfg).to(model.device)
-                   for part in length_buckets(samples, cfg.buckets)]  # fmt: skip
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step, done)
-        opt.zero_grad(set_to_none=True)
-        parts = []
-        for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
-            losses = compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch,
-                                    head, cfg.patch_weight)  # fmt: skip
-            losses.total.backward()
-            parts.append(losses)
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        rec = step_record(step, parts, time.perf_counter() - start)
-        records.append(rec)
-        add_counts(first_acc, rec["first"])
-        if step % cfg.log_every == 0:
-            rec["first_acc"] = {k: round(r / n, 3) for k, (r, n) in first_acc.items() if n}
-            first_acc.clear()
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.3f}", text=f"{rec['text']:.3f}",
-                        flow=f"{rec['flow']:.3f}", acc=f"{rec['text_acc']:.2f}")  # fmt: skip
-        step += 1
-        if step % cfg.ckpt_every == 0:
-            save_checkpoint(model, out)
+    source = StepSamples(
+        lambda s: data_at(cfg, data, s), lambda s, i: data_seed(cfg.seed, s, i, cfg.batch),
+        cfg.batch, cfg.data_workers,
+    )  # fmt: skip
+    try:
+        while True:
+            elapsed = time.perf_counter() - start
+            done = run_done(cfg, step, elapsed)
+            if done >= 1.0:
+                break
+            if step and step % cfg.log_every == 0:  # ETA of the bar from the share done
+                bar.total = max(step + 1, round(step / done))
+            samples = source.get(step)
+            batches = [make_batch(part, model.tokenizer, mcfg).to(model.device)
+                       for part in length_buckets(samples, cfg.buckets)]  # fmt: skip
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step, done)
+            opt.zero_grad(set_to_none=True)
+            parts = []
+            for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
+                losses = compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch,
+                                        head, cfg.patch_weight)  # fmt: skip
+                losses.total.backward()
+                parts.append(losses)
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            rec = step_record(step, parts, time.perf_counter() - start)
+            records.append(rec)
+            add_counts(first_acc, rec["first"])
+            if step % cfg.log_every == 0:
+                rec["first_acc"] = {k: round(r / n, 3) for k, (r, n) in first_acc.items() if n}
+                first_acc.clear()
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", text=f"{rec['text']:.3f}",
+                            flow=f"{rec['flow']:.3f}", acc=f"{rec['text_acc']:.2f}")  # fmt: skip
+            step += 1
+            if step % cfg.ckpt_every == 0:
+                save_checkpoint(model, out)
+    finally:
+        source.close()  # worker processes end with the run, also when it fails
     bar.close()
     save_checkpoint(model, out)
     return records

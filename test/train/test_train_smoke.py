@@ -63,6 +63,19 @@ def test_same_seed_same_weights(tmp_path):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
+def test_data_workers_make_the_same_run(tmp_path):
+    """Samples rendered by worker processes (a GPU run's data loader) are the in-process
+    samples: same weights in bytes after steps that cross the curriculum's boundary."""
+    for name, workers in (("inline", 0), ("workers", 2)):
+        cfg = TrainConfig(out=str(tmp_path / name), steps=3, batch=3, curriculum=2,
+                          data_workers=workers)  # fmt: skip
+        train(cfg, progress=False)
+    a, b = (load_file(tmp_path / name / WEIGHTS_FILE) for name in ("inline", "workers"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="data_workers"):
+        TrainConfig(steps=1, data_workers=-1)
+
+
 def test_bad_train_config_and_missing_weights(tmp_path):
     with pytest.raises(ValueError, match="steps > 0 or minutes > 0"):
         TrainConfig()
