@@ -58,17 +58,22 @@ def test_sampling_reads_the_prefix_slot_without_writing_it(tiny_model):
     assert torch.equal(arena.k, k) and torch.equal(arena.v, v) and torch.equal(arena.length, length)
 
 
+def ours_and_lerobot_style(model):
+    """One chunk from the same prefix and noise: ours, the benchmark's baseline, its cache."""
+    arena = model.new_arena(2, 256)
+    slot = arena.allocate()
+    prefix = model.embed_prefix(synthetic_observation(model.cfg, 4))
+    model.prefill(arena, slot, prefix)
+    n = prefix.embeds.shape[0]
+    noise = model.make_noise(3)
+    ours = model.sample_actions(arena, slot, n, noise)
+    cache = arena_to_dynamic_cache(arena, slot, n)
+    return ours, sample_actions_hf_style(model.expert, cache, n, noise), cache, n
+
+
 def test_lerobot_style_cloned_cache_gives_the_same_chunk(tiny_model):
     """The benchmark's baseline computes the same function (up to rounding)."""
-    arena = tiny_model.new_arena(2, 256)
-    slot = arena.allocate()
-    prefix = tiny_model.embed_prefix(synthetic_observation(tiny_model.cfg, 4))
-    tiny_model.prefill(arena, slot, prefix)
-    n = prefix.embeds.shape[0]
-    noise = tiny_model.make_noise(3)
-    ours = tiny_model.sample_actions(arena, slot, n, noise)
-    cache = arena_to_dynamic_cache(arena, slot, n)
-    theirs = sample_actions_hf_style(tiny_model.expert, cache, n, noise)
+    ours, theirs, cache, n = ours_and_lerobot_style(tiny_model)
     assert (ours - theirs).abs().max().item() < HF_STYLE_ATOL
     assert cache.get_seq_length() == n  # every step cloned it; the template never grew
 
@@ -80,13 +85,6 @@ def test_lerobot_style_baseline_runs_under_the_bf16_precision_policy():
     model = build_model(get_preset("tiny"), "cpu", torch.bfloat16)
     assert model.expert.action_in_proj.weight.dtype == torch.float32
     assert model.expert.dtype == torch.bfloat16
-    arena = model.new_arena(2, 256)
-    slot = arena.allocate()
-    prefix = model.embed_prefix(synthetic_observation(model.cfg, 4))
-    model.prefill(arena, slot, prefix)
-    n = prefix.embeds.shape[0]
-    noise = model.make_noise(3)
-    ours = model.sample_actions(arena, slot, n, noise)
-    theirs = sample_actions_hf_style(model.expert, arena_to_dynamic_cache(arena, slot, n), n, noise)
+    ours, theirs, _, _ = ours_and_lerobot_style(model)
     assert theirs.dtype == torch.float32 and theirs.shape == ours.shape
     assert (ours.float() - theirs).abs().max().item() < 0.1  # bf16 layers: rounding, not bugs
