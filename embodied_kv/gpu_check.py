@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tests:
         cmd = [sys.executable, "-m", "pytest", "-q", *args.pytest_args.split()]
         steps["pytest"] = run_logged(cmd, out / "pytest.txt", args.timeout)
-    for name in args.only.split(","):
+    for name in [n for n in args.only.split(",") if n]:  # --only= : the tests alone
         cmd = [sys.executable, "-m", "embodied_kv.cli", "bench", name, "--preset", "pi05"]
         cmd += ["--device", "cuda", "--json", str(out / f"{name}.json"), *args.bench_args.split()]
         steps[f"bench {name}"] = run_logged(cmd, out / f"{name}.txt", args.timeout)
