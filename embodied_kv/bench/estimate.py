@@ -33,6 +33,7 @@ from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kernels.prefill_tile import tile_config
 from embodied_kv.kv.step import Segment, commit_step, plan_step
 from embodied_kv.model.config import get_preset
+from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import DENOISE_BUCKETS, StepInput, build_model
 
@@ -188,6 +189,7 @@ def estimate(cameras_list=(2, 3), text_tokens: int = TEXT_TOKENS) -> dict:
         model = build_model(
             get_preset("pi05", layers=depth, vision_layers=depth), "cpu", dtype=torch.bfloat16
         )
+        fuse_projections(model)  # as build_model does on CUDA: q/k/v and gate/up one GEMM each
         for cams in cameras_list:
             for graph_pad in (True, False):
                 censuses.setdefault((cams, graph_pad), {})[depth] = action_census(

@@ -13,6 +13,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, GemmaConfig, GemmaForCausalLM
 from transformers.models.gemma.modeling_gemma import eager_attention_forward
 
@@ -99,6 +100,20 @@ def clone_cache(cache: DynamicCache) -> DynamicCache:
     return DynamicCache([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
 
 
+def separate_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v as LeRobot's Gemma computes them: three GEMMs (never model/fused.py's one)."""
+    n, d = x.shape[0], attn.head_dim
+    q = F.linear(x, attn.q_proj.weight).view(n, attn.heads, d)
+    k = F.linear(x, attn.k_proj.weight).view(n, attn.kv_heads, d)
+    return q, k, F.linear(x, attn.v_proj.weight).view(n, attn.kv_heads, d)
+
+
+def separate_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """LeRobot's GemmaMLP: gate and up as two GEMMs, tanh GELU, the product, down."""
+    h = F.gelu(F.linear(x, mlp.gate_proj.weight), approximate="tanh")
+    return F.linear(h * F.linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
+
+
 def _velocity_hf_style(expert, x_t, t, cache: DynamicCache, prefix_len: int) -> torch.Tensor:
     """ActionExpert.velocity, but attention as LeRobot's gemma_expert does it: the
     suffix K/V are appended to the (cloned) prefix cache with `cache.update` (a torch.cat
@@ -122,7 +137,7 @@ def _velocity_hf_style(expert, x_t, t, cache: DynamicCache, prefix_len: int) -> 
     for i, layer in enumerate(expert.layers):
         attn = layer.self_attn
         xn, gate = layer.input_layernorm(h, cond)
-        q, k, v = attn.qkv(xn)  # [H, heads, D]
+        q, k, v = separate_qkv(attn, xn)  # [H, heads, D]
         q, k = expert.rope(q, position), expert.rope(k, position)
         k_all, v_all = cache.update(
             k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), i
@@ -132,7 +147,7 @@ def _velocity_hf_style(expert, x_t, t, cache: DynamicCache, prefix_len: int) -> 
         )  # [1, H, heads, D]
         h = h + attn.o_proj(o.reshape(h_len, -1)) * gate
         xn, gate = layer.post_attention_layernorm(h, cond)
-        h = h + layer.mlp(xn) * gate
+        h = h + separate_mlp(layer.mlp, xn) * gate
     h, _ = expert.norm(h, cond)
     return expert.action_out_proj(h.to(expert.action_out_proj.weight.dtype))
 

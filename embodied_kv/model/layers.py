@@ -63,11 +63,15 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(width, hidden, bias=False)
         self.up_proj = nn.Linear(width, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, width, bias=False)
+        self.fusion = None  # model/fused.py: gate/up as one GEMM (CUDA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, W] -> [N, W]; GELU and the product are one kernel on CUDA."""
-        h = gelu_gate(F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight))
-        return F.linear(h, self.down_proj.weight)
+        if self.fusion is not None and self.fusion.usable():
+            gate, up = self.fusion.split(x)
+        else:
+            gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+        return F.linear(gelu_gate(gate, up), self.down_proj.weight)
 
 
 class Attention(nn.Module):
@@ -85,14 +89,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, width, bias=False)
+        self.fusion = None  # model/fused.py: q/k/v as one GEMM (CUDA)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, W] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]."""
         n = x.shape[0]
-        q = F.linear(x, self.q_proj.weight).view(n, self.heads, self.head_dim)
-        k = F.linear(x, self.k_proj.weight).view(n, self.kv_heads, self.head_dim)
-        v = F.linear(x, self.v_proj.weight).view(n, self.kv_heads, self.head_dim)
-        return q, k, v
+        if self.fusion is not None and self.fusion.usable():
+            q, k, v = self.fusion.split(x)
+        else:
+            q = F.linear(x, self.q_proj.weight)
+            k = F.linear(x, self.k_proj.weight)
+            v = F.linear(x, self.v_proj.weight)
+        shape = (n, self.kv_heads, self.head_dim)
+        return q.view(n, self.heads, self.head_dim), k.view(shape), v.view(shape)
 
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output [N, Hq * D] -> [N, W]."""

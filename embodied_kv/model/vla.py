@@ -260,6 +260,7 @@ def build_model(
     Built on the meta device, given the precision policy's dtypes there
     (model/precision.py), then allocated once on `device`: no parameter exists in
     another dtype or on another device first (at pi05 bf16 that is 6.7 GB, not 20)."""
+    from embodied_kv.model.fused import fuse_projections
     from embodied_kv.model.precision import apply_precision
     from embodied_kv.model.weights import init_weights, random_weights_id
 
@@ -275,4 +276,6 @@ def build_model(
         rope.reset_tables()
     model.vision.reset_buffers()
     model.weights_id = random_weights_id(cfg, dtype, device)
+    if device.type == "cuda":  # q/k/v and gate/up as one GEMM each (model/fused.py)
+        fuse_projections(model)
     return model

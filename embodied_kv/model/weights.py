@@ -163,7 +163,14 @@ def atomic_path(path: Path):
 def atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """safetensors written to a temporary file in the same directory, then renamed."""
     with atomic_path(path) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata)
+        save_file({k: _owned(v) for k, v in tensors.items()}, tmp, metadata)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor owning its storage: safetensors refuses views of a shared one (the
+    fused projections' parameters, model/fused.py)."""
+    t = t.detach().contiguous().cpu()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def save_weights(model, path: str | Path) -> None:

@@ -25,6 +25,7 @@ from embodied_kv.kv.capsule import capture, identity_of, restore
 from embodied_kv.kv.capsule_store import StoreConfig
 from embodied_kv.kv.manager import KVCacheManager
 from embodied_kv.model.config import get_preset
+from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import StepInput, build_model, denoise_rows
 
@@ -49,7 +50,10 @@ def cuda_model():
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    return build_model(get_preset("tiny"), dtype=torch.bfloat16)
+    """The CUDA configuration on the CPU: bf16, q/k/v and gate/up fused (model/fused.py)."""
+    m = build_model(get_preset("tiny"), dtype=torch.bfloat16)
+    fuse_projections(m)
+    return m
 
 
 @pytest.fixture(params=MODES)
