@@ -42,7 +42,9 @@ class RowFusion:
         """Inference (the fused tensor is no Parameter: autograd would not reach the
         checkpoint's weights through it) and the parameters still view this storage (not
         replaced or moved)."""
-        return not torch.is_grad_enabled() and self._current() == self._ptrs
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # no data_ptr in a trace
+            return False
+        return self._current() == self._ptrs
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One GEMM, then a view per linear: x [N, in] -> [N, out_i] each (row strides of
