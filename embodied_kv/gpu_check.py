@@ -49,6 +49,9 @@ def environment(device: str | torch.device = "cuda") -> dict:
     """What a result was measured on. Works on a CPU too (no driver, no CUDA)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
+    # a copied working tree (a device machine's) names its commit: its .git may be stale
+    given = os.environ.get("EMBODIED_KV_COMMIT")
+    head = None if given else _git("rev-parse", "HEAD")
     props = torch.cuda.get_device_properties(device) if cuda else None
     try:
         import triton
@@ -66,10 +69,8 @@ def environment(device: str | torch.device = "cuda") -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "python": platform.python_version(),
-        # a copied working tree (a device machine's) names its commit: its .git may be stale
-        "commit": os.environ.get("EMBODIED_KV_COMMIT") or _git("rev-parse", "HEAD"),
-        "dirty": None if os.environ.get("EMBODIED_KV_COMMIT") or _git("rev-parse", "HEAD") is None
-        else bool(_git("status", "--porcelain")),
+        "commit": given or head,
+        "dirty": None if head is None else bool(_git("status", "--porcelain")),
     }
 
 
