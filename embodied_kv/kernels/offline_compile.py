@@ -26,7 +26,8 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     rms_norm        W=2048 plain (backbone)                   8      1   27      0   0 KiB  -
     rms_norm        W=1024 adaptive (expert)                  4      1   32      0   0 KiB  -
     rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
-    expert_attention block_m=8 (64 rows), block_n=16         4      2  209      0  64 KiB  wgmma
+    expert_attention block_m=8 (64 rows), block_n=16, 32 splits 4   2  221      0  64 KiB  wgmma
+    expert_reduce   32 splits                                 4      1   43      0   2 KiB  -
     gelu_gate       F=16384 / F=4096, 1024 per program        4      1   31      0   0 KiB  -
     attn_stats      block_m=16, block_n=64 (VL-Cache)         4      2   88      0  40 KiB  mma.sync
 
