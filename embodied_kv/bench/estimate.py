@@ -44,22 +44,28 @@ COMPUTE_EFF = 0.70  # large cuBLAS bf16 GEMMs on H100 SXM reach ~650-750 TFLOP/s
 MEMORY_EFF = 0.80  # streaming kernels reach ~2.7 TB/s of 3.35
 GRAPH_GAP_S = 1.5e-6  # per kernel node in a replayed graph (launch + tail), H100
 EAGER_LAUNCH_S = 6e-6  # per torch op launched from Python (CPU-bound when kernels are short)
+# One step of an attention kernel's key loop (a 64-row query tile x 16 keys: loads, two MMAs,
+# the online softmax), measured on the H100 (2026-11-22): the unsplit expert attention took
+# 83 us for its programs' 52 steps (1.6 us), the prefill tile 43.5 us for 42 (1.0 us)
+STEP_LATENCY_S = 1.3e-6
 FACTS_LIMIT_MS = {2: 5.3, 3: 6.6}  # PI05_FACTS.md: bf16 arithmetic limit, 10 Euler steps
 TEXT_TOKENS = 48  # the limit's prompt length (PI05_FACTS.md)
 REGIONS = ("vision", "embed", "prefill", "logits", "denoise")
 CAPTURED = {"vision", "prefill", "logits", "denoise"}  # engine/graphs.py: vision, step, denoise
 
 
-def attention_cost(q, k_cache, slot, kv_len) -> tuple[float, float]:
-    """The Triton packed-attention kernel: QK^T and PV over each token's rows; q and out
-    once; K/V of a slot once from HBM (a slot's layer is < 1 MiB at pi05: tile re-reads
-    hit the 50 MB L2)."""
+def attention_cost(q, k_cache, slot, kv_len) -> tuple[float, float, int]:
+    """The Triton packed-attention kernel (the prefill tile at a prefill's size): QK^T and
+    PV over each token's rows; q and out once; K/V of a slot once from HBM (a slot's layer
+    is < 1 MiB at pi05: tile re-reads hit the 50 MB L2); its longest program walks the
+    longest token's rows BLOCK_N at a time."""
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     flops = 4.0 * float(kv_len.sum()) * hq * d
     rows = sum(int(kv_len[slot == s].max()) for s in slot.unique())
     kv_bytes = 2 * rows * hkv * d * k_cache.element_size()
-    return flops, 2.0 * q.numel() * q.element_size() + kv_bytes
+    steps = -(-int(kv_len.max()) // tile_config(q.dtype, hq // hkv).block_n)
+    return flops, 2.0 * q.numel() * q.element_size() + kv_bytes, steps
 
 
 def norm_cost(x, mult, eps, shift=None, add_one=False) -> tuple[float, float]:
@@ -74,18 +80,21 @@ def rope_cost(x, cos, sin) -> tuple[float, float]:
     return 3.0 * x.numel(), 2.0 * x.numel() * x.element_size() + 2 * cos.numel() * 4
 
 
-def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float]]:
+def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float, int]]:
     """The expert attention's two kernels (kernels/expert_attention.py): the split partials
     (QK^T and PV over prefix + suffix rows for every query; q once, the prefix and suffix K/V
     once, fp32 partials written) and their reduce (partials read, out written)."""
     h_len, hq, d = q.shape
     rows = kp.shape[0] + ks.shape[0]
     kv = 2 * rows * kp.shape[1] * d * kp.element_size()
-    splits = split_count(kp.shape[0], tile_config(q.dtype, hq // kp.shape[1]).block_n)
+    block_n = tile_config(q.dtype, hq // kp.shape[1]).block_n
+    splits = split_count(kp.shape[0], block_n)
     partials = 4.0 * h_len * hq * splits * (d + 2)  # fp32 acc, max and sum per split
     q_bytes = q.numel() * q.element_size()
+    blocks = -(-kp.shape[0] // block_n)
+    steps = max(-(-blocks // (splits - 1)), -(-h_len // block_n))  # a chunk, or the suffix
     return [
-        (4.0 * h_len * hq * d * rows, q_bytes + kv + bias.numel() * 4 + partials),
+        (4.0 * h_len * hq * d * rows, q_bytes + kv + bias.numel() * 4 + partials, steps),
         (3.0 * h_len * hq * splits * d, partials + q_bytes),
     ]
 
@@ -138,7 +147,9 @@ def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dic
     (padded to the step graph's bucket if `graph_pad`, else to ROW_BUCKET rows only),
     10 Euler steps."""
     c = model.cfg
-    gpu = Roofline(**H100, compute_eff=COMPUTE_EFF, memory_eff=MEMORY_EFF)
+    gpu = Roofline(
+        **H100, compute_eff=COMPUTE_EFF, memory_eff=MEMORY_EFF, step_latency_s=STEP_LATENCY_S
+    )
     census = Census(gpu)
     images = synthetic_observation(c, 0).images[:cameras]
     ids = torch.arange(text_tokens) % 200 + 32
@@ -240,6 +251,7 @@ def estimate(cameras_list=(2, 3), text_tokens: int = TEXT_TOKENS) -> dict:
             "memory_eff": MEMORY_EFF,
             "graph_gap_us": GRAPH_GAP_S * 1e6,
             "eager_launch_us": EAGER_LAUNCH_S * 1e6,
+            "step_latency_us": STEP_LATENCY_S * 1e6,
             "text_tokens": text_tokens,
             "captured_regions": sorted(CAPTURED),
         },

@@ -64,14 +64,19 @@ class Roofline:
     fp32_flops_per_s: float  # fp32 GEMMs (torch keeps TF32 off for matmuls by default)
     compute_eff: float = 1.0
     memory_eff: float = 1.0
+    step_latency_s: float = 0.0  # one dependent step of a kernel's loop (load, MMA, softmax)
 
     def seconds(
-        self, flops: float, nbytes: float, fp32: bool = False, ideal: bool = False
-    ) -> float:
-        """A kernel is bound by compute or by memory, never by their sum."""
+        self, flops: float, nbytes: float, fp32: bool = False, ideal: bool = False,
+        serial_steps: int = 0,
+    ) -> float:  # fmt: skip
+        """A kernel is bound by compute or by memory, never by their sum, or (not ideal) by
+        the latency of its longest program's chain of `serial_steps` loop steps: a grid
+        that leaves most SMs idle runs as long as its longest program."""
         ce, me = (1.0, 1.0) if ideal else (self.compute_eff, self.memory_eff)
         peak = self.fp32_flops_per_s if fp32 else self.flops_per_s
-        return max(flops / (ce * peak), nbytes / (me * self.bytes_per_s))
+        chain = 0.0 if ideal else serial_steps * self.step_latency_s
+        return max(flops / (ce * peak), nbytes / (me * self.bytes_per_s), chain)
 
 
 class Census(TorchDispatchMode):
@@ -98,20 +103,22 @@ class Census(TorchDispatchMode):
     @contextmanager
     def single_kernel(self, cost):
         """Ops inside are one GPU kernel (a fused / Triton kernel); `cost()` -> (FLOPs,
-        bytes), evaluated unrecorded after the block, or a list of such pairs where the
-        fused op is a fixed sequence of kernels (split partials, then their reduce)."""
+        bytes) or (FLOPs, bytes, serial loop steps of its longest program), evaluated
+        unrecorded after the block, or a list of them where the fused op is a fixed
+        sequence of kernels (split partials, then their reduce)."""
         old, self._muted = self._muted, True
         try:
             yield
             costs = cost()
         finally:
             self._muted = old
-        for flops, nbytes in costs if isinstance(costs, list) else [costs]:
-            self._add("single_kernel", flops, nbytes)
+        for c in costs if isinstance(costs, list) else [costs]:
+            self._add("single_kernel", c[0], c[1], serial_steps=c[2] if len(c) > 2 else 0)
 
     def _add(
-        self, op: str, flops: float, nbytes: float, syncs: int = 0, fp32: bool = False
-    ) -> None:
+        self, op: str, flops: float, nbytes: float, syncs: int = 0, fp32: bool = False,
+        serial_steps: int = 0,
+    ) -> None:  # fmt: skip
         if self._region is None:
             return
         for t in (self.tallies[self._region], self.by_op.setdefault((self._region, op), Tally())):
@@ -122,7 +129,7 @@ class Census(TorchDispatchMode):
             t.flops += flops
             t.bytes += nbytes
             t.ideal_s += self.gpu.seconds(flops, nbytes, fp32, ideal=True)
-            t.busy_s += self.gpu.seconds(flops, nbytes, fp32)
+            t.busy_s += self.gpu.seconds(flops, nbytes, fp32, serial_steps=serial_steps)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -39,3 +39,20 @@ def test_action_path_kernels_scale_with_depth():
     assert per_layer["prefill"] > 0 and per_layer["embed"] == per_layer["logits"] == 0
     at4 = scaled(by_depth, 4, 2)
     assert at4["prefill"].kernels == by_depth[1]["prefill"].kernels + 3 * per_layer["prefill"]
+
+
+def test_a_kernel_whose_longest_program_loops_long_costs_its_chain():
+    """A grid that leaves most SMs idle (the unsplit expert attention: 7 programs of 52 key
+    steps, 83 us on the H100) is priced by its longest program's steps, not its bytes."""
+    gpu = Roofline(**H100, step_latency_s=1e-6)
+    census = Census(gpu)
+    with census, census.region("r"):
+        with census.single_kernel(lambda: (1e6, 1e3, 40)):  # latency-bound
+            pass
+        with census.single_kernel(lambda: [(1e6, 1e3, 2), (1e6, 1e9)]):  # partials, reduce
+            pass
+    t = census.tallies["r"]
+    assert t.kernels == 3
+    assert abs(t.busy_s - (40e-6 + 2e-6 + 1e9 / H100["bytes_per_s"])) < 1e-12
+    compute, memory = 1e6 / H100["flops_per_s"], 1e9 / H100["bytes_per_s"]
+    assert abs(t.ideal_s - (2 * compute + memory)) < 1e-15  # the limit has no latency
