@@ -3,7 +3,7 @@ import torch
 
 from embodied_kv.kernels.packed_attention import bucket
 from embodied_kv.kv.arena import ArenaSpec, KVArena
-from embodied_kv.kv.step import Segment, commit_step, plan_step
+from embodied_kv.kv.step import Segment, commit_step, plan_step, to_device_as_one, unpack
 
 
 def make_arena(num_slots=3, max_len=128, layers=2):
@@ -90,3 +90,19 @@ def test_copy_and_truncate_slot():
     assert a.slot_len(d) == 2 and int(a.next_pos[d]) == 2
     with pytest.raises(ValueError):
         a.truncate(d, 3)
+
+
+def test_a_plan_travels_to_the_device_as_one_copy():
+    """plan_step's five tensors go to a GPU as one pinned copy (kv/step.py): the views of
+    the one tensor are the parts, in order and shape; on the host nothing is copied."""
+    a = make_arena(num_slots=3)
+    s0, s1 = a.allocate(), a.allocate()
+    plan = plan_step(a, [Segment(s0, 5, causal=False), Segment(s1, 2)])
+    parts = [plan.slot, plan.position, plan.row, plan.kv_len, plan.last_index]
+    assert to_device_as_one(parts, torch.device("cpu")) is parts
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    views = unpack(flat, parts)
+    assert all(v.shape == p.shape and torch.equal(v, p) for v, p in zip(views, parts, strict=True))
+    assert all(v.untyped_storage().data_ptr() == flat.data_ptr() for v in views)
+    on_meta = to_device_as_one(parts, torch.device("meta"))  # the device path, shapes only
+    assert [t.shape for t in on_meta] == [p.shape for p in parts]
