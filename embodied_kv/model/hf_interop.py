@@ -100,14 +100,6 @@ def clone_cache(cache: DynamicCache) -> DynamicCache:
     return DynamicCache([(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
 
 
-def separate_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v as LeRobot's Gemma computes them: three GEMMs (never model/fused.py's one)."""
-    n, d = x.shape[0], attn.head_dim
-    q = F.linear(x, attn.q_proj.weight).view(n, attn.heads, d)
-    k = F.linear(x, attn.k_proj.weight).view(n, attn.kv_heads, d)
-    return q, k, F.linear(x, attn.v_proj.weight).view(n, attn.kv_heads, d)
-
-
 def separate_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     """LeRobot's GemmaMLP: gate and up as two GEMMs, tanh GELU, the product, down."""
     h = F.gelu(F.linear(x, mlp.gate_proj.weight), approximate="tanh")
@@ -137,7 +129,7 @@ def _velocity_hf_style(expert, x_t, t, cache: DynamicCache, prefix_len: int) -> 
     for i, layer in enumerate(expert.layers):
         attn = layer.self_attn
         xn, gate = layer.input_layernorm(h, cond)
-        q, k, v = separate_qkv(attn, xn)  # [H, heads, D]
+        q, k, v = attn.qkv(xn, fused=False)  # [H, heads, D]: three GEMMs, as LeRobot
         q, k = expert.rope(q, position), expert.rope(k, position)
         k_all, v_all = cache.update(
             k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), i

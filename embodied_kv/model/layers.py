@@ -91,10 +91,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, width, bias=False)
         self.fusion = None  # model/fused.py: q/k/v as one GEMM (CUDA)
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, W] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]."""
+    def qkv(
+        self, x: torch.Tensor, fused: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, W] -> q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]; fused=False: three GEMMs
+        even where model/fused.py set up one (a baseline that runs as LeRobot does)."""
         n = x.shape[0]
-        if self.fusion is not None and self.fusion.usable():
+        if fused and self.fusion is not None and self.fusion.usable():
             q, k, v = self.fusion.split(x)
         else:
             q = F.linear(x, self.q_proj.weight)
