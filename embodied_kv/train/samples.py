@@ -31,8 +31,7 @@ class StepSamples:
     def get(self, step: int) -> list[Sample]:
         """The samples of `step`, in seed order; with workers, the next AHEAD steps' start."""
         if self.pool is None:
-            data = self.data_of(step)
-            return [make_sample(data, self.seed_of(step, i)) for i in range(self.batch)]
+            return _make_all(self.data_of(step), self._seeds(step))
         for s in range(step, step + AHEAD + 1):
             if s not in self._pending:
                 self._pending[s] = self._submit(s)
@@ -42,24 +41,20 @@ class StepSamples:
         return [x for f in self._pending.pop(step) for x in f.result()]
 
     def _submit(self, step: int) -> list[Future]:
-        data = self.data_of(step)
-        seeds = [self.seed_of(step, i) for i in range(self.batch)]
+        data, seeds = self.data_of(step), self._seeds(step)
         size = -(-len(seeds) // self.workers)
         return [
             self.pool.submit(_make_all, data, seeds[i : i + size])
             for i in range(0, len(seeds), size)
         ]
 
+    def _seeds(self, step: int) -> list[int]:
+        return [self.seed_of(step, i) for i in range(self.batch)]
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
-
-    def __enter__(self) -> StepSamples:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def _make_all(data: DataConfig, seeds: list[int]) -> list[Sample]:
