@@ -28,7 +28,7 @@ from embodied_kv.bench import harness
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
-from embodied_kv.kernels.expert_attention import split_count
+from embodied_kv.kernels.expert_attention import chunk_blocks, split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kernels.prefill_tile import tile_config
 from embodied_kv.kv.step import Segment, commit_step, plan_step
@@ -91,8 +91,7 @@ def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, f
     splits = split_count(kp.shape[0], block_n)
     partials = 4.0 * h_len * hq * splits * (d + 2)  # fp32 acc, max and sum per split
     q_bytes = q.numel() * q.element_size()
-    blocks = -(-kp.shape[0] // block_n)
-    steps = max(-(-blocks // (splits - 1)), -(-h_len // block_n))  # a chunk, or the suffix
+    steps = max(chunk_blocks(kp.shape[0], block_n, splits), -(-h_len // block_n))  # or suffix
     return [
         (4.0 * h_len * hq * d * rows, q_bytes + kv + bias.numel() * 4 + partials, steps),
         (3.0 * h_len * hq * splits * d, partials + q_bytes),

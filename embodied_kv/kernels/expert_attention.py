@@ -75,6 +75,13 @@ def split_count(n_prefix: int, block_n: int) -> int:
     return min(MAX_SPLITS, pow2(-(-blocks // BLOCKS_PER_SPLIT) + 1, MIN_SPLITS))
 
 
+def chunk_blocks(n_prefix: int, block_n: int, splits: int) -> int:
+    """Key blocks of BLOCK_N rows per prefix split (whole blocks; the last chunk may be short
+    or empty)."""
+    blocks = -(-n_prefix // block_n)
+    return -(-blocks // (splits - 1))
+
+
 if triton is not None:
     from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
@@ -193,8 +200,7 @@ def plan_expert_attention(q, kp, vp, ks, vs, scale: float, bias, out, work=None)
     group = hq // hkv
     cfg = tile_config(q.dtype, group)
     splits = split_count(n_p, cfg.block_n)
-    blocks = -(-n_p // cfg.block_n)
-    chunk = -(-blocks // (splits - 1)) * cfg.block_n  # whole key blocks per prefix split
+    chunk = chunk_blocks(n_p, cfg.block_n, splits) * cfg.block_n  # prefix rows per split
     m, l_s, acc = workspace(h_len, hq, d, splits, q.device) if work is None else work
     tag = f"{str(q.dtype).removeprefix('torch.')} D={d} group={group} splits={splits}"
     partial = Launch(
