@@ -112,7 +112,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         given = {k: getattr(args, k)
-                 for k in ("batch", "lr", "threads", "curriculum", "warmup", "data_workers")}
+                 for k in ("batch", "lr", "threads", "curriculum", "warmup", "data_workers",
+                           "embed_std")}
         data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="steps of one-hop, unchanging memory facts first")  # fmt: skip
     tr.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
     tr.add_argument("--init", help="weights file to start from (fine-tuning); default: fresh")
+    tr.add_argument("--embed-std", type=float,
+                    help="std of a fresh text embedding (default 0: the model's 0.02; 0.088 "
+                         "= width**-0.5 lets a lookup leave its plateau)")  # fmt: skip
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)
@@ -193,15 +197,25 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("suite", help="world")
     ev.add_argument("args", nargs=argparse.REMAINDER, help="passed to the suite's main")
     ev.set_defaults(run=run_eval)
+
+    probe = commands.add_parser(
+        "recall-probe", help="can the backbone learn a two-word-key lookup (train/recall_probe.py)"
+    )
+    probe.add_argument("args", nargs=argparse.REMAINDER, help="see --help after the command")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["gpu-check"]:  # its own flags first: argparse's REMAINDER would refuse them
+    # commands whose own flags come first: argparse's REMAINDER would refuse them
+    if argv[:1] == ["gpu-check"]:
         from embodied_kv import gpu_check
 
         return gpu_check.main(argv[1:])
+    if argv[:1] == ["recall-probe"]:
+        from embodied_kv.train import recall_probe
+
+        return recall_probe.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 

@@ -48,8 +48,18 @@ def backbone_forward(model, batch: Batch) -> BackboneOut:
     allowed = torch.where(
         in_prefix[:, :, None], in_prefix[:, None, :], causal[None]
     ) & valid[:, None, :]  # [B, L(i), L(j)]
-    cos_sin = bb.rope.at(pos.repeat(b))
-    heads, kv_heads, d = cfg.backbone.heads, cfg.backbone.kv_heads, cfg.backbone.head_dim
+    x, keys, values = backbone_layers(bb, x, allowed)
+    return BackboneOut(bb.norm(x), keys, values, prefix, n_img, img)
+
+
+def backbone_layers(bb, x: torch.Tensor, allowed: torch.Tensor) -> tuple:
+    """The backbone's decoder layers over x [B, L, W] at positions 0..L-1 with the key
+    mask allowed [B, L(i), L(j)] -> (x, per-layer rotated keys, values) (also the
+    text-only recall probe's forward, train/recall_probe.py)."""
+    b, seq = x.shape[:2]
+    cfg = bb.cfg
+    cos_sin = bb.rope.at(torch.arange(seq, device=x.device).repeat(b))
+    heads, kv_heads, d = cfg.heads, cfg.kv_heads, cfg.head_dim
     keys, values = [], []
     for layer in bb.layers:
         attn = layer.self_attn
@@ -65,7 +75,7 @@ def backbone_forward(model, batch: Batch) -> BackboneOut:
         )  # [B, Hq, L, D]
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, seq, heads * d))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return BackboneOut(bb.norm(x), keys, values, prefix, n_img, img)
+    return x, keys, values
 
 
 def text_logits(model, out: BackboneOut, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

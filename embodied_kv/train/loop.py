@@ -57,6 +57,13 @@ class TrainConfig:
     # a weights file of the same preset to start from (fine-tuning, e.g. on longer memory
     # streams); "" = fresh init from cfg.seed. The patch head starts fresh either way.
     init: str = ""
+    # std of the fresh text embedding (the engine scales it by sqrt(width)); 0 = the
+    # model's own init (0.02, as HF initialises Gemma: 0.23 RMS after the scale, while the
+    # first layer's fresh branches add 0.80). The bare two-word-key lookup of
+    # `embodied-kv recall-probe` left its plateau in 0 of 4 seeds at 0.02 and in 1 of 4 at
+    # width**-0.5 = 0.088 within 1,200 steps (README, "KEEP"). Ignored with `init` (the
+    # file's embedding is kept).
+    embed_std: float = 0.0
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self):
@@ -71,6 +78,8 @@ class TrainConfig:
             raise ValueError(f"curriculum={self.curriculum} steps must be >= 0")
         if self.init and not Path(self.init).is_file():
             raise ValueError(f"init weights {self.init} do not exist")
+        if not 0 <= self.embed_std < 1:
+            raise ValueError(f"embed_std={self.embed_std} must be in [0, 1)")
         if not 0 <= self.seed < 2**15:
             raise ValueError(f"seed {self.seed} must be in [0, 32768)")
 
@@ -115,6 +124,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
     if cfg.init:
         load_weights(model, cfg.init)  # ValueError naming the mismatch: nothing trained
+    elif cfg.embed_std > 0:
+        redraw_embedding(model, cfg.embed_std, cfg.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     head = None
@@ -176,6 +187,15 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     bar.close()
     save_checkpoint(model, out)
     return records
+
+
+@torch.no_grad()
+def redraw_embedding(model, std: float, seed: int) -> None:
+    """The text embedding drawn again from N(0, std), seeded (the rest of the fresh init
+    stays as `init_weights` drew it)."""
+    weight = model.backbone.embed_tokens.weight
+    g = torch.Generator(device=weight.device).manual_seed(seed)
+    weight.normal_(0.0, std, generator=g)
 
 
 def length_buckets(samples: list[Sample], parts: int) -> list[list[Sample]]:

@@ -132,3 +132,25 @@ def test_fine_tuning_starts_from_the_given_weights(tmp_path):
     assert main(["train", "--steps", "1", "--text-mix", "1,0"]) == 2  # four weights
     assert main(["train", "--steps", "1", "--two-hop-share", "2"]) == 2  # a share
     assert main(["train", "--steps", "1", "--turns", "0"]) == 2
+
+
+def test_embed_std_draws_the_fresh_text_embedding(tmp_path):
+    """--embed-std: a fresh run's text embedding is drawn at that std (one step of
+    warmup barely moves it); the default keeps the model's 0.02; with --init the file's
+    embedding stays; out of range is refused with the reason."""
+    stds = {}
+    for name, extra in (("wide", ["--embed-std", "0.088"]), ("default", [])):
+        out = tmp_path / name
+        assert main(["train", "--steps", "1", "--batch", "2", "--out", str(out), *extra]) == 0
+        stds[name] = float(load_file(out / WEIGHTS_FILE)["backbone.embed_tokens.weight"].std())
+    assert stds["wide"] == pytest.approx(0.088, rel=0.05), stds
+    assert stds["default"] == pytest.approx(0.02, rel=0.05), stds
+    tuned = tmp_path / "tuned"
+    argv = ["train", "--steps", "1", "--batch", "2", "--out", str(tuned), "--embed-std", "0.5",
+            "--init", str(tmp_path / "default" / WEIGHTS_FILE)]
+    assert main(argv) == 0
+    std = float(load_file(tuned / WEIGHTS_FILE)["backbone.embed_tokens.weight"].std())
+    assert std == pytest.approx(stds["default"], rel=0.05)
+    assert main(["train", "--steps", "1", "--embed-std", "1.5"]) == 2
+    with pytest.raises(ValueError, match="embed_std"):
+        TrainConfig(steps=1, embed_std=-0.1)

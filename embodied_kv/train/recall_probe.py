@@ -1,0 +1,221 @@
+"""`embodied-kv recall-probe`: can this backbone learn a two-word-key lookup, and
+after how many steps? The world's memory queries need exactly that binding (KEEP's
+accuracy rows wait for it), and the world data mixes it with everything else; this
+probe isolates the architecture, its init and the optimiser.
+
+A sequence is `pairs` facts `<colour> <shape> <place> .` over distinct (colour, shape)
+keys (the world's words: 4 x 5 keys, 5 places), then `queries` lookups
+`Query <colour> <shape> : <place>`; the loss and accuracy count the place after each
+`:`. The model is the world preset's backbone alone (text rows, causal mask), trained
+with AdamW as `train` trains. Guessing the most frequent place of a sequence scores
+~0.4 at 8 pairs: accuracy well above it means the lookup was learned ("escape").
+
+`data="world"`: the same lookup in the world's own memory text instead (world/memory.py:
+2..`pairs` containers, two movables, no updates, `queries` one-hop queries per stream,
+text only), the form the world model's plan samples give it."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from embodied_kv.train.forward import backbone_layers
+from embodied_kv.train.loop import redraw_embedding
+from embodied_kv.world.memory import sample_queries
+from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
+
+SHAPES = MOVABLES + CONTAINERS
+ESCAPE_ACC = 0.6  # mean accuracy over a log window above this: the lookup is learned
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    steps: int = 1200
+    pairs: int = 8
+    queries: int = 8
+    batch: int = 32
+    lr: float = 1e-3
+    warmup: int = 100
+    seed: int = 0  # data order and the redrawn embedding
+    embed_std: float = 0.0  # 0: the model's own init (train.loop.TrainConfig.embed_std)
+    log_every: int = 100
+    data: str = "pairs"  # or "world"
+
+    def __post_init__(self):
+        if self.data not in ("pairs", "world") or (
+            self.data == "world" and not 2 <= self.pairs <= 8
+        ):
+            raise ValueError(f"data 'pairs' or 'world' (2 .. 8 containers): {self}")
+        if not 1 <= self.pairs <= len(COLOURS) * len(SHAPES) or self.queries < 1:
+            raise ValueError(f"pairs in [1, {len(COLOURS) * len(SHAPES)}], queries >= 1: "
+                             f"{self}")  # fmt: skip
+        if self.steps < 1 or self.batch < 1 or self.lr <= 0 or not 0 <= self.embed_std < 1:
+            raise ValueError(f"bad probe config: {self}")
+
+
+def word_ids(tokenizer) -> dict[str, list[int]]:
+    def ids(words):
+        return [tokenizer.encode(w, bos=False)[0] for w in words]
+
+    return {"colour": ids(COLOURS), "shape": ids(SHAPES), "place": ids(PLACES),
+            "frame": ids([".", "Query", ":"])}  # fmt: skip
+
+
+def lookup_batch(gen: torch.Generator, words: dict, cfg: ProbeConfig):
+    """-> ids [B, L], labels [B, L] (the place after each query's ':', else IGNORE)."""
+    n_shapes = len(words["shape"])
+    colour, shape, place = (torch.tensor(words[k]) for k in ("colour", "shape", "place"))
+    dot, query, colon = words["frame"]
+    rows, labels = [], []
+    for _ in range(cfg.batch):
+        keys = torch.randperm(len(colour) * n_shapes, generator=gen)[: cfg.pairs]
+        c, s = colour[keys // n_shapes], shape[keys % n_shapes]
+        p = place[torch.randint(len(place), (cfg.pairs,), generator=gen)]
+        ids = torch.stack([c, s, p, torch.full_like(p, dot)], 1).reshape(-1).tolist()
+        lab = [IGNORE] * len(ids)
+        for i in torch.randint(cfg.pairs, (cfg.queries,), generator=gen).tolist():
+            ids += [query, int(c[i]), int(s[i]), colon, int(p[i])]
+            lab += [IGNORE, IGNORE, IGNORE, int(p[i]), IGNORE]
+        rows.append(ids)
+        labels.append(lab)
+    return torch.tensor(rows), torch.tensor(labels)
+
+
+def world_batch(gen: torch.Generator, tokenizer, cfg: ProbeConfig):
+    """-> ids [B, L] (pad-filled), labels [B, L]: one-hop memory queries in the world's
+    text, each label at the token before the answer (as train/batch.py lays out a plan)."""
+    rng = np.random.default_rng(int(torch.randint(2**31, (1,), generator=gen)))
+    rows, labels = [], []
+    for _ in range(cfg.batch):
+        n = int(rng.integers(2, cfg.pairs + 1))
+        queries = sample_queries(rng, [1] * cfg.queries, n, 2, 0)
+        ids, lab = [tokenizer.bos_id], [IGNORE]
+        for i, q in enumerate(queries):
+            ids += tokenizer.encode(q.prompt if i == 0 else q.follow_up, bos=False)
+            answer = tokenizer.encode(q.answer, bos=False)
+            lab += [IGNORE] * (len(ids) - len(lab) - 1) + [answer[0]]
+            ids += answer
+            lab += [IGNORE] * len(answer)
+        rows.append(ids)
+        labels.append(lab)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_id)
+    out = torch.full((len(rows), width), IGNORE)
+    for b, (r, lab) in enumerate(zip(rows, labels, strict=True)):
+        ids[b, : len(r)], out[b, : len(lab)] = torch.tensor(r), torch.tensor(lab)
+    return ids, out
+
+
+def lookup_logits(bb, ids: torch.Tensor) -> torch.Tensor:
+    b, seq = ids.shape
+    x = bb.embed(ids.reshape(-1)).reshape(b, seq, -1)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
+    x, _, _ = backbone_layers(bb, x, causal[None].expand(b, -1, -1))
+    return bb.norm(x) @ bb.embed_tokens.weight.t()
+
+
+def run_probe(model, cfg: ProbeConfig) -> list[dict]:
+    """Train `model`'s backbone on the lookup -> a record per log window:
+    {step, loss, acc} (means over the window's steps)."""
+    bb = model.backbone
+    words = word_ids(model.tokenizer)
+    if cfg.embed_std > 0:
+        redraw_embedding(model, cfg.embed_std, cfg.seed)
+    params = list(bb.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    records, window = [], []
+    bb.train()
+    for step in range(1, cfg.steps + 1):
+        if cfg.data == "world":
+            ids, labels = world_batch(gen, model.tokenizer, cfg)
+        else:
+            ids, labels = lookup_batch(gen, words, cfg)
+        ids, labels = ids.to(model.device), labels.to(model.device)
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * min(1.0, step / cfg.warmup)
+        logits = lookup_logits(bb, ids).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        mask = labels != IGNORE
+        acc = (logits.argmax(-1)[mask] == labels[mask]).float().mean()
+        window.append((float(loss.detach()), float(acc)))
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            losses, accs = zip(*window, strict=True)
+            records.append({"step": step, "loss": round(sum(losses) / len(window), 4),
+                            "acc": round(sum(accs) / len(window), 4)})  # fmt: skip
+            window.clear()
+    return records
+
+
+def escape_step(records: list[dict]) -> int | None:
+    """The first logged step whose window's accuracy passed ESCAPE_ACC (None: never)."""
+    return next((r["step"] for r in records if r["acc"] > ESCAPE_ACC), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    from embodied_kv.model.vla import build_model
+    from embodied_kv.train.tokenizer import save_tokenizer
+    from embodied_kv.train.trained import world_config
+
+    p = argparse.ArgumentParser(prog="embodied-kv recall-probe", description=__doc__)
+    p.add_argument("--seeds", default="1,2,3,4", help="one run per seed (data, embedding)")
+    p.add_argument("--embed-std", default="0.02,0.088",
+                   help="one arm per value (0: the model's own init)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=ProbeConfig.steps)
+    p.add_argument("--pairs", type=int, default=ProbeConfig.pairs,
+                   help="facts per sequence (world: most containers per stream)")
+    p.add_argument("--data", default="pairs", help="pairs (bare facts) or world (its text)")
+    p.add_argument("--lr", type=float, default=ProbeConfig.lr)
+    p.add_argument("--preset", default="world")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", help="write every run's records here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+        stds = [float(x) for x in args.embed_std.split(",")]
+        given = {"steps": args.steps, "pairs": args.pairs, "lr": args.lr, "data": args.data}
+        configs = [[ProbeConfig(seed=seed, embed_std=std, **given) for seed in seeds]
+                   for std in stds]  # fmt: skip
+    except ValueError as e:
+        print(f"embodied-kv recall-probe: {e}", file=sys.stderr)
+        return 2
+    import tempfile
+
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = save_tokenizer(f"{tmp}/tokenizer.json")
+        for std, arm in zip(stds, configs, strict=True):
+            for cfg in arm:
+                model = build_model(world_config(args.preset, 0), args.device, torch.float32,
+                                    tokenizer_path=str(tok))  # fmt: skip
+                records = run_probe(model, cfg)
+                runs.append({"embed_std": std, "seed": cfg.seed, "escape_step":
+                             escape_step(records), "records": records})  # fmt: skip
+                last = records[-1]
+                print(f"embed_std {std:g} seed {cfg.seed}: escape at step "
+                      f"{runs[-1]['escape_step']}, last window acc {last['acc']:.3f} "
+                      f"loss {last['loss']:.3f}", flush=True)  # fmt: skip
+    for std in stds:
+        arm = [r for r in runs if r["embed_std"] == std]
+        escaped = sum(r["escape_step"] is not None for r in arm)
+        print(f"embed_std {std:g}: {escaped}/{len(arm)} runs learned the lookup "
+              f"within {args.steps} steps")  # fmt: skip
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    return 0

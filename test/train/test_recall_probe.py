@@ -1,0 +1,84 @@
+"""The recall probe: its lookup batches say what they claim, runs are seeded, the CLI
+writes its records (the probe's finding itself is a measurement: README, KEEP)."""
+
+import json
+
+import pytest
+import torch
+
+from embodied_kv.cli import main
+from embodied_kv.model.vla import build_model
+from embodied_kv.train.recall_probe import (
+    IGNORE,
+    ProbeConfig,
+    escape_step,
+    lookup_batch,
+    run_probe,
+    word_ids,
+    world_batch,
+)
+from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.train.trained import world_config
+
+
+def world_model(tmp_path):
+    tok = save_tokenizer(tmp_path / "tokenizer.json")
+    return build_model(world_config("world", 0), "cpu", torch.float32, tokenizer_path=str(tok))
+
+
+def test_every_label_is_the_place_of_the_queried_key(tmp_path):
+    model = world_model(tmp_path)
+    words = word_ids(model.tokenizer)
+    cfg = ProbeConfig(pairs=8, queries=8, batch=4)
+    ids, labels = lookup_batch(torch.Generator().manual_seed(3), words, cfg)
+    dot, query, colon = words["frame"]
+    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
+        facts = {(row[i], row[i + 1]): row[i + 2] for i in range(0, 4 * cfg.pairs, 4)}
+        assert len(facts) == cfg.pairs and row[3 : 4 * cfg.pairs : 4] == [dot] * cfg.pairs
+        at = [j for j, x in enumerate(lab) if x != IGNORE]
+        assert len(at) == cfg.queries
+        for j in at:
+            assert row[j] == colon and row[j - 3] == query
+            assert facts[(row[j - 2], row[j - 1])] == lab[j] == row[j + 1]
+            assert lab[j] in words["place"]
+
+
+def test_probe_runs_are_seeded_and_redraw_the_embedding(tmp_path):
+    cfg = ProbeConfig(steps=4, batch=4, log_every=2, seed=5, embed_std=0.088)
+    runs = []
+    for _ in range(2):
+        model = world_model(tmp_path)
+        runs.append(run_probe(model, cfg))
+    assert runs[0] == runs[1] and [r["step"] for r in runs[0]] == [2, 4]
+    std = float(model.backbone.embed_tokens.weight.std())
+    assert abs(std - 0.088) < 0.005, std
+    assert escape_step([{"step": 100, "acc": 0.4}, {"step": 200, "acc": 0.7}]) == 200
+    assert escape_step([{"step": 100, "acc": 0.4}]) is None
+
+
+def test_cli_writes_every_run(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    argv = ["recall-probe", "--steps", "2", "--seeds", "1,2", "--embed-std", "0,0.088",
+            "--json", str(out)]
+    assert main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["embed_std"], r["seed"]) for r in runs] == [(0, 1), (0, 2), (0.088, 1), (0.088, 2)]
+    assert "0/2 runs learned the lookup" in capsys.readouterr().out
+    assert main(["recall-probe", "--steps", "2", "--pairs", "99"]) == 2
+
+
+def test_world_batches_label_each_answer_of_the_world_text(tmp_path):
+    model = world_model(tmp_path)
+    tok = model.tokenizer
+    cfg = ProbeConfig(pairs=4, queries=3, batch=3, data="world")
+    ids, labels = world_batch(torch.Generator().manual_seed(1), tok, cfg)
+    places = set(word_ids(tok)["place"])
+    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
+        at = [j for j, x in enumerate(lab) if x != IGNORE]
+        assert len(at) == cfg.queries and row[0] == tok.bos_id
+        for j in at:
+            assert tok.decode(row[j - 1 : j + 1]).split() == ["Answer", ":"]
+            assert lab[j] == row[j + 1] and lab[j] in places
+    assert run_probe(world_model(tmp_path), ProbeConfig(steps=2, batch=2, data="world"))
+    with pytest.raises(ValueError, match="containers"):
+        ProbeConfig(data="world", pairs=9)
