@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--init", help="weights file to start from (fine-tuning); default: fresh")
     tr.add_argument("--embed-std", type=float,
                     help="std of a fresh text embedding (default 0: the model's 0.02; 0.088 "
-                         "= width**-0.5 lets a lookup leave its plateau)")  # fmt: skip
+                         "= width**-0.5, see `embodied-kv recall-probe`)")  # fmt: skip
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)

@@ -16,16 +16,21 @@ text only), the form the world model's plan samples give it."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from embodied_kv.bench.report import write_json
+from embodied_kv.model.vla import build_model
 from embodied_kv.train.forward import backbone_layers
 from embodied_kv.train.loop import redraw_embedding
+from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.train.trained import world_config
 from embodied_kv.world.memory import sample_queries
 from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 
@@ -163,13 +168,6 @@ def escape_step(records: list[dict]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    from embodied_kv.model.vla import build_model
-    from embodied_kv.train.tokenizer import save_tokenizer
-    from embodied_kv.train.trained import world_config
-
     p = argparse.ArgumentParser(prog="embodied-kv recall-probe", description=__doc__)
     p.add_argument("--seeds", default="1,2,3,4", help="one run per seed (data, embedding)")
     p.add_argument("--embed-std", default="0.02,0.088",
@@ -194,8 +192,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"embodied-kv recall-probe: {e}", file=sys.stderr)
         return 2
-    import tempfile
-
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         tok = save_tokenizer(f"{tmp}/tokenizer.json")
@@ -215,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         escaped = sum(r["escape_step"] is not None for r in arm)
         print(f"embed_std {std:g}: {escaped}/{len(arm)} runs learned the lookup "
               f"within {args.steps} steps")  # fmt: skip
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    if args.json:  # atomic, with the machine's stamp (date, torch, cpu) as benchmarks write
+        write_json({"args": vars(args), "runs": runs}, args.json)
     return 0
