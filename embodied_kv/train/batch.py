@@ -69,12 +69,7 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
             labels += target[1:] + [IGNORE]
         rows.append(ids)
         label_rows.append(labels)
-    t = max(len(r) for r in rows)
-    ids = torch.full((len(rows), t), tokenizer.pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), t), IGNORE, dtype=torch.long)
-    for b, (r, lab) in enumerate(zip(rows, label_rows, strict=True)):
-        ids[b, : len(r)] = torch.tensor(r)
-        labels[b, : len(lab)] = torch.tensor(lab)
+    ids, labels = pad_rows(rows, label_rows, tokenizer.pad_id)
     actions = torch.stack([torch.from_numpy(_padded_chunk(s.actions, cfg)) for s in samples])
     return Batch(
         images=torch.from_numpy(np.stack([s.images for s in samples])),
@@ -86,6 +81,18 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         patches=torch.from_numpy(np.stack([s.patches.reshape(-1) for s in samples])),
         kinds=[s.kind for s in samples],
     )
+
+
+def pad_rows(rows: list[list[int]], label_rows: list[list[int]], pad_id: int):
+    """Token rows and their label rows -> ids [B, T] pad-filled, labels [B, T]
+    IGNORE-filled, T the longest row."""
+    t = max(len(r) for r in rows)
+    ids = torch.full((len(rows), t), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), t), IGNORE, dtype=torch.long)
+    for b, (r, lab) in enumerate(zip(rows, label_rows, strict=True)):
+        ids[b, : len(r)] = torch.tensor(r)
+        labels[b, : len(lab)] = torch.tensor(lab)
+    return ids, labels
 
 
 def _padded_chunk(chunk: np.ndarray, cfg: ModelConfig) -> np.ndarray:

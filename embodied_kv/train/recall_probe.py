@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from embodied_kv.bench.report import write_json
 from embodied_kv.model.vla import build_model
+from embodied_kv.train.batch import IGNORE, pad_rows
 from embodied_kv.train.forward import backbone_layers
 from embodied_kv.train.loop import redraw_embedding
 from embodied_kv.train.tokenizer import save_tokenizer
@@ -36,7 +37,6 @@ from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 
 SHAPES = MOVABLES + CONTAINERS
 ESCAPE_ACC = 0.6  # mean accuracy over a log window above this: the lookup is learned
-IGNORE = -100
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,7 @@ def world_batch(gen: torch.Generator, tokenizer, cfg: ProbeConfig):
             lab += [IGNORE] * len(answer)
         rows.append(ids)
         labels.append(lab)
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_id)
-    out = torch.full((len(rows), width), IGNORE)
-    for b, (r, lab) in enumerate(zip(rows, labels, strict=True)):
-        ids[b, : len(r)], out[b, : len(lab)] = torch.tensor(r), torch.tensor(lab)
-    return ids, out
+    return pad_rows(rows, labels, tokenizer.pad_id)
 
 
 def lookup_logits(bb, ids: torch.Tensor) -> torch.Tensor:
