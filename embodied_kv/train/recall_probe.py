@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from embodied_kv.bench.report import write_json
 from embodied_kv.model.vla import build_model
+from embodied_kv.model.weights import load_weights
 from embodied_kv.train.batch import IGNORE, pad_rows
 from embodied_kv.train.forward import backbone_layers
 from embodied_kv.train.loop import redraw_embedding
@@ -120,9 +121,10 @@ def lookup_logits(bb, ids: torch.Tensor) -> torch.Tensor:
     return bb.norm(x) @ bb.embed_tokens.weight.t()
 
 
-def run_probe(model, cfg: ProbeConfig) -> list[dict]:
+def run_probe(model, cfg: ProbeConfig, on_record=None) -> list[dict]:
     """Train `model`'s backbone on the lookup -> a record per log window:
-    {step, loss, acc} (means over the window's steps)."""
+    {step, loss, acc} (means over the window's steps); `on_record(record)` sees each as it
+    is made (progress of a long run)."""
     bb = model.backbone
     words = word_ids(model.tokenizer)
     if cfg.embed_std > 0:
@@ -154,6 +156,8 @@ def run_probe(model, cfg: ProbeConfig) -> list[dict]:
             records.append({"step": step, "loss": round(sum(losses) / len(window), 4),
                             "acc": round(sum(accs) / len(window), 4)})  # fmt: skip
             window.clear()
+            if on_record is not None:
+                on_record(records[-1])
     return records
 
 
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="pairs", help="pairs (bare facts) or world (its text)")
     p.add_argument("--lr", type=float, default=ProbeConfig.lr)
     p.add_argument("--preset", default="world")
+    p.add_argument("--init", default="", help="a weights file of the preset to start from "
+                   "(e.g. the shipped world model; --embed-std then redraws its embedding)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", help="write every run's records here")
@@ -194,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in arm:
                 model = build_model(world_config(args.preset, 0), args.device, torch.float32,
                                     tokenizer_path=str(tok))  # fmt: skip
-                records = run_probe(model, cfg)
+                if args.init:
+                    load_weights(model, args.init)
+                label = f"embed_std {std:g} seed {cfg.seed}"
+                records = run_probe(model, cfg, on_record=lambda r, label=label: print(
+                    f"  {label} step {r['step']}: acc {r['acc']:.3f} loss {r['loss']:.3f}",
+                    flush=True))  # fmt: skip
                 runs.append({"embed_std": std, "seed": cfg.seed, "escape_step":
                              escape_step(records), "records": records})  # fmt: skip
                 last = records[-1]
