@@ -33,6 +33,8 @@ from collections.abc import Callable
 import torch
 
 from embodied_kv.engine.graph_emulation import record
+from embodied_kv.kernels.packed_attention import ROW_BUCKET
+from embodied_kv.kernels.packed_attention import bucket as padded_size
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.step import PackedStep, Segment, commit_step, logit_rows, plan_step
 from embodied_kv.model.vla import VLA, StepInput, denoise_rows
@@ -97,9 +99,11 @@ class GraphRunner:
         self.model, self.arena, self.mode = model, arena, mode
         self.enabled = mode != "off"
         # a bucket b serves n tokens when its padding b - n fits the scratch slot (max_len
-        # rows) and n fits the slots: b <= (num_slots + 1) * max_len
+        # rows) and n fits the slots: b <= (num_slots + 1) * max_len. plan_step pads every
+        # step to a ROW_BUCKET multiple (probed on the host: 32 on the H100 machine's Xeon),
+        # so only multiples of it can hold a step as planned.
         most = (arena.spec.num_slots + 1) * arena.spec.max_len
-        self.step_buckets = tuple(b for b in step_buckets if b <= most)
+        self.step_buckets = tuple(b for b in step_buckets if b <= most and b % ROW_BUCKET == 0)
         self._steps: dict[int, StaticStep] = {}
         self._denoise: dict[tuple[int, int], tuple] = {}
         self._vision: dict[int, tuple] = {}
@@ -147,7 +151,8 @@ class GraphRunner:
         """The step bucket for n tokens: the smallest that holds them with its padding
         within the scratch slot; None if none does."""
         limit = self.arena.spec.max_len
-        return next((b for b in self.step_buckets if n <= b <= n + limit), None)
+        need = padded_size(n)  # what plan_step pads n to
+        return next((b for b in self.step_buckets if need <= b <= n + limit), None)
 
     @torch.no_grad()
     def step(self, inputs: list[StepInput]) -> torch.Tensor | None:
