@@ -38,15 +38,16 @@ import numpy as np
 import torch
 
 from embodied_kv.bench import harness
-from embodied_kv.bench.keep_stream import Stream
+from embodied_kv.bench.keep_stream import Stream, sentence
 from embodied_kv.bench.report import print_table
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
-from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory
-from embodied_kv.kv.memory_kv import compute_block, layout
+from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory, piece
+from embodied_kv.kv.memory_kv import compute_block, encode, layout
 from embodied_kv.kv.memory_methods import PrefixCaching, methods
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.vla import Observation, build_model
 from embodied_kv.timing import device_clock, elapsed_ms
+from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "world" / "weights.safetensors"
 SEGMENTS = (10, 20, 30, 40)
@@ -110,7 +111,7 @@ def run_segments(model, n: int, args, device: str) -> dict:
         for mem in (grouped, chunks):
             mem.apply(MemoryOp.ADD, key, text, n, group)
     prefix = frame_prefix(model, args.seed)
-    budget = prefix.embeds.shape[0] + 16 * n + 64 + AGREE_TOKENS
+    budget = prefix.embeds.shape[0] + fact_tokens(model) * n + 64 + AGREE_TOKENS
     arena = model.new_arena(5, -(-budget // KEY_BLOCK) * KEY_BLOCK)
     frame, work, cache = (arena.allocate() for _ in range(3))
     model.prefill(arena, frame, prefix)
@@ -169,6 +170,16 @@ def run_segments(model, n: int, args, device: str) -> dict:
     return {"methods": out, "refresh": refresh, "static_groups": sum(
         u.key.startswith("group:") for u in grouped.units()), "groups": len(grouped.groups),
         "counters": vars(grouped.counters)}  # fmt: skip
+
+
+def fact_tokens(model) -> int:
+    """Most prompt tokens one fact segment can take with this model's tokenizer (every
+    subject, kind and value of the world: ~9 words, ~40 bytes with pi05's byte ids)."""
+    subjects = [f"{c} {s}" for c in COLOURS for s in MOVABLES + CONTAINERS]
+    containers = [f"{c} {s}" for c in COLOURS for s in CONTAINERS]
+    values = {"place": PLACES, "holder": containers, "state": ("open", "closed")}
+    return max(len(encode(model, piece(sentence(subject, kind, value))))
+               for subject in subjects for kind, vs in values.items() for value in vs)  # fmt: skip
 
 
 def update(stream: Stream, grouped: SegmentMemory, chunks: SegmentMemory, n: int) -> None:

@@ -1,9 +1,12 @@
+import argparse
 import json
 
 import numpy as np
 
-from embodied_kv.bench.keep import main
+from embodied_kv.bench.keep import fact_tokens, main, run_segments
 from embodied_kv.bench.keep_stream import Stream, answers, parse, shape
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.vla import build_model
 
 METHODS = ["full", "prefix", "reuse", "cacheblend", "keep", "keep-no-static", "keep-one-hop",
            "keep-no-balance"]  # fmt: skip
@@ -59,3 +62,15 @@ def test_the_verdict_quotes_the_paired_error_of_the_points_lost():
                             ("cacheblend", 0.2, 0.1))]  # fmt: skip
     line = verdict(rows, trained=True)
     assert line.startswith("verdict: FAIL") and f"+25.0 ± {se * 100:.1f} SE points lost" in line
+
+
+def test_the_arena_holds_the_memory_in_a_byte_tokenizer_s_ids():
+    """pi05's byte ids make a fact ~40 tokens, not the world words' 9: the arena was sized
+    at 16 a segment and `bench keep --preset pi05` overflowed its slot on the H100
+    (2026-11-23). A byte-id model (tiny) through every method at 10 segments."""
+    model = build_model(get_preset("tiny"))
+    assert model.cfg.tokenizer == "bytes" and fact_tokens(model) > 30
+    args = argparse.Namespace(seed=0, window=10, requests=2, updates=2)
+    raw = run_segments(model, 10, args, "cpu")
+    assert set(raw["methods"]) == set(METHODS)
+    assert all(len(s["ttft"]) == 2 for s in raw["methods"].values())
