@@ -196,10 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         tok = save_tokenizer(f"{tmp}/tokenizer.json")
+        if args.init:  # a wrong file is refused before anything trains
+            try:
+                load_weights(_probe_model(args, tok), args.init)
+            except (ValueError, OSError) as e:
+                print(f"embodied-kv recall-probe: --init: {e}", file=sys.stderr)
+                return 2
         for std, arm in zip(stds, configs, strict=True):
             for cfg in arm:
-                model = build_model(world_config(args.preset, 0), args.device, torch.float32,
-                                    tokenizer_path=str(tok))  # fmt: skip
+                model = _probe_model(args, tok)
                 if args.init:
                     load_weights(model, args.init)
                 label = f"embed_std {std:g} seed {cfg.seed}"
@@ -220,3 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:  # atomic, with the machine's stamp (date, torch, cpu) as benchmarks write
         write_json({"args": vars(args), "runs": runs}, args.json)
     return 0
+
+
+def _probe_model(args, tokenizer_path):
+    """A fresh model of the probe's preset (fp32, the world's word tokenizer)."""
+    return build_model(world_config(args.preset, 0), args.device, torch.float32,
+                       tokenizer_path=str(tokenizer_path))  # fmt: skip

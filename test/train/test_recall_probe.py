@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from embodied_kv.cli import main
+from embodied_kv.model.config import get_preset
 from embodied_kv.model.vla import build_model
+from embodied_kv.model.weights import save_weights
 from embodied_kv.train.recall_probe import (
     IGNORE,
     ProbeConfig,
@@ -82,3 +84,23 @@ def test_world_batches_label_each_answer_of_the_world_text(tmp_path):
     assert run_probe(world_model(tmp_path), ProbeConfig(steps=2, batch=2, data="world"))
     with pytest.raises(ValueError, match="containers"):
         ProbeConfig(data="world", pairs=9)
+
+
+def test_init_starts_from_a_weights_file_and_a_bad_one_is_refused(tmp_path, capsys):
+    """--init: the shipped world weights (their embedding kept at --embed-std 0) start the
+    run, so its first window differs from a fresh init's; a file of another preset is
+    refused with its reason and exit 2, nothing trained."""
+    shipped = "embodied_kv/data/world/weights.safetensors"
+    outs = []
+    for extra in ([], ["--init", shipped]):
+        out = tmp_path / f"probe{len(outs)}.json"
+        argv = ["recall-probe", "--steps", "1", "--seeds", "1", "--embed-std", "0",
+                "--json", str(out), *extra]  # fmt: skip
+        assert main(argv) == 0
+        outs.append(json.loads(out.read_text()))
+    assert outs[1]["args"]["init"] == shipped
+    assert outs[0]["runs"][0]["records"] != outs[1]["runs"][0]["records"]
+    bad = tmp_path / "other.safetensors"
+    save_weights(build_model(get_preset("tiny")), bad)
+    assert main(["recall-probe", "--steps", "1", "--seeds", "1", "--init", str(bad)]) == 2
+    assert "another model config" in capsys.readouterr().err
