@@ -34,7 +34,6 @@ import torch
 
 from embodied_kv.engine.graph_emulation import record
 from embodied_kv.kernels.packed_attention import ROW_BUCKET
-from embodied_kv.kernels.packed_attention import bucket as padded_size
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.step import PackedStep, Segment, commit_step, logit_rows, plan_step
 from embodied_kv.model.vla import VLA, StepInput, denoise_rows
@@ -151,8 +150,8 @@ class GraphRunner:
         """The step bucket for n tokens: the smallest that holds them with its padding
         within the scratch slot; None if none does."""
         limit = self.arena.spec.max_len
-        need = padded_size(n)  # what plan_step pads n to
-        return next((b for b in self.step_buckets if need <= b <= n + limit), None)
+        # every bucket is a ROW_BUCKET multiple: b >= n is b >= what plan_step pads n to
+        return next((b for b in self.step_buckets if n <= b <= n + limit), None)
 
     @torch.no_grad()
     def step(self, inputs: list[StepInput]) -> torch.Tensor | None:

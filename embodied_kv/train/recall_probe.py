@@ -196,17 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         tok = save_tokenizer(f"{tmp}/tokenizer.json")
-        if args.init:  # a wrong file is refused before anything trains
-            try:
-                load_weights(_probe_model(args, tok), args.init)
-            except (ValueError, OSError) as e:
-                print(f"embodied-kv recall-probe: --init: {e}", file=sys.stderr)
-                return 2
         for std, arm in zip(stds, configs, strict=True):
             for cfg in arm:
-                model = _probe_model(args, tok)
-                if args.init:
-                    load_weights(model, args.init)
+                try:  # every run loads the same --init: a wrong file fails the first, untrained
+                    model = _probe_model(args, tok)
+                except (ValueError, OSError) as e:
+                    print(f"embodied-kv recall-probe: {e}", file=sys.stderr)
+                    return 2
                 label = f"embed_std {std:g} seed {cfg.seed}"
                 records = run_probe(model, cfg, on_record=lambda r, label=label: print(
                     f"  {label} step {r['step']}: acc {r['acc']:.3f} loss {r['loss']:.3f}",
@@ -228,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _probe_model(args, tokenizer_path):
-    """A fresh model of the probe's preset (fp32, the world's word tokenizer)."""
-    return build_model(world_config(args.preset, 0), args.device, torch.float32,
-                       tokenizer_path=str(tokenizer_path))  # fmt: skip
+    """The probe's model (fp32, the world's word tokenizer): fresh, or `--init`'s weights."""
+    model = build_model(world_config(args.preset, 0), args.device, torch.float32,
+                        tokenizer_path=str(tokenizer_path))  # fmt: skip
+    if args.init:
+        load_weights(model, args.init)
+    return model
