@@ -107,26 +107,36 @@ def _field(flag: str) -> str:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from embodied_kv.train.loop import TrainConfig, train
+    from embodied_kv.train.loop import TrainConfig, run_done, train
     from embodied_kv.world.dataset import DataConfig
 
     try:
         given = {k: getattr(args, k)
                  for k in ("batch", "lr", "threads", "curriculum", "warmup", "data_workers",
-                           "embed_std")}
+                           "embed_std", "until", "stop_after")}
         data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
             ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
+            resume=args.resume,
             data=DataConfig(**{k: v for k, v in data.items() if v is not None}),
             **{k: v for k, v in given.items() if v is not None},
         )  # fmt: skip
     except ValueError as e:
         print(f"embodied-kv train: {e}", file=sys.stderr)
         return 2
-    records = train(cfg)
+    from embodied_kv.train.resume import ResumeError
+
+    try:
+        records = train(cfg)
+    except ResumeError as e:
+        print(f"embodied-kv train: {e}", file=sys.stderr)
+        return 2
     last = records[-1] if records else {}
     print(f"trained {len(records)} steps -> {args.out}; last {last}")
+    reached = last.get("step", -1) + 1
+    if (cfg.until or cfg.stop_after) and run_done(cfg, reached, last.get("seconds", 0)) < 1:
+        print(f"paused before step {reached}: the same command with --resume goes on")
     return 0
 
 
@@ -189,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--embed-std", type=float,
                     help="std of a fresh text embedding (default 0: the model's 0.02; 0.088 "
                          "= width**-0.5, see `embodied-kv recall-probe`)")  # fmt: skip
+    tr.add_argument("--resume", action="store_true",
+                    help="continue the run saved in --out (same flags; train/resume.py)")
+    tr.add_argument("--until", type=int,
+                    help="end this call before this step (the schedule stays --steps')")
+    tr.add_argument("--stop-after", type=float,
+                    help="end this call after this many minutes, resumable (schedule unchanged)")
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)

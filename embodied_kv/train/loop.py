@@ -19,6 +19,7 @@ from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.losses import compute_losses
+from embodied_kv.train.resume import RunState, check_resumable, load_state, save_state
 from embodied_kv.train.samples import StepSamples
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
@@ -64,6 +65,13 @@ class TrainConfig:
     # width**-0.5 = 0.088 within 1,200 steps (README, "KEEP"). Ignored with `init` (the
     # file's embedding is kept).
     embed_std: float = 0.0
+    # one run in several calls (train/resume.py): `resume` continues the run saved in
+    # `out` (weights + train_state.safetensors) with the same config; `until` ends this
+    # call before that step, `stop_after` after that many wall-clock minutes; neither
+    # changes the learning-rate schedule, which follows `steps` (or `minutes`)
+    resume: bool = False
+    until: int = 0
+    stop_after: float = 0.0
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self):
@@ -80,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"init weights {self.init} do not exist")
         if not 0 <= self.embed_std < 1:
             raise ValueError(f"embed_std={self.embed_std} must be in [0, 1)")
+        if self.until < 0 or self.stop_after < 0:
+            raise ValueError(f"until={self.until} and stop_after={self.stop_after} must be >= 0")
         if not 0 <= self.seed < 2**15:
             raise ValueError(f"seed {self.seed} must be in [0, 32768)")
 
@@ -122,7 +132,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                          "patch": mcfg.vision.patch_size,
                          "horizon": mcfg.action_horizon})  # fmt: skip
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
-    if cfg.init:
+    if cfg.resume:
+        check_resumable(out, out / WEIGHTS_FILE)
+        load_weights(model, out / WEIGHTS_FILE)  # the state below checks it is its file
+    elif cfg.init:
         load_weights(model, cfg.init)  # ValueError naming the mismatch: nothing trained
     elif cfg.embed_std > 0:
         redraw_embedding(model, cfg.embed_std, cfg.seed)
@@ -135,12 +148,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         params += list(head.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
+    run = RunState(0, 0.0)
+    if cfg.resume:
+        run = load_state(out, out / WEIGHTS_FILE, cfg, opt, head, gen)
     log_path = out / "train_log.jsonl"
-    log_path.write_text("")
+    keep_log(log_path, run.step)
     records: list[dict] = []
-    start = time.perf_counter()
-    bar = tqdm(total=cfg.steps or None, disable=not progress, unit="step", dynamic_ncols=True)
-    step = 0
+    call_start = time.perf_counter()
+    start = call_start - run.elapsed
+    bar = tqdm(total=cfg.steps or None, initial=run.step, disable=not progress, unit="step",
+               dynamic_ncols=True)  # fmt: skip
+    step = run.step
     first_acc: dict[str, list[int]] = {}  # per kind over the log window: [right, counted]
     source = StepSamples(
         lambda s: data_at(cfg, data, s), lambda s, i: data_seed(cfg.seed, s, i, cfg.batch),
@@ -150,7 +168,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         while True:
             elapsed = time.perf_counter() - start
             done = run_done(cfg, step, elapsed)
-            if done >= 1.0:
+            if done >= 1.0 or call_over(cfg, step, time.perf_counter() - call_start):
                 break
             if step and step % cfg.log_every == 0:  # ETA of the bar from the share done
                 bar.total = max(step + 1, round(step / done))
@@ -181,12 +199,32 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                             flow=f"{rec['flow']:.3f}", acc=f"{rec['text_acc']:.2f}")  # fmt: skip
             step += 1
             if step % cfg.ckpt_every == 0:
-                save_checkpoint(model, out)
+                save_run(cfg, model, opt, head, gen, RunState(step, time.perf_counter() - start))
     finally:
         source.close()  # worker processes end with the run, also when it fails
     bar.close()
-    save_checkpoint(model, out)
+    save_run(cfg, model, opt, head, gen, RunState(step, time.perf_counter() - start))
     return records
+
+
+def call_over(cfg: TrainConfig, step: int, call_seconds: float) -> bool:
+    """This call's own end (`until`, `stop_after`), before the run's."""
+    return bool(cfg.until and step >= cfg.until) or bool(
+        cfg.stop_after and call_seconds >= 60 * cfg.stop_after
+    )
+
+
+def keep_log(path: Path, step: int) -> None:
+    """The log of the steps before `step` (a resumed run drops what it will redo)."""
+    lines = path.read_text().splitlines() if step and path.is_file() else []
+    kept = [x for x in lines if json.loads(x)["step"] < step]
+    path.write_text("".join(x + "\n" for x in kept))
+
+
+def save_run(cfg: TrainConfig, model, opt, head, gen, run: RunState) -> None:
+    """The weights, then the state that resumes from them."""
+    out = Path(cfg.out)
+    save_state(out, save_checkpoint(model, out), cfg, opt, head, gen, run)
 
 
 @torch.no_grad()

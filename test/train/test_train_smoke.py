@@ -5,12 +5,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from embodied_kv.cli import main
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.model.vla import Observation
-from embodied_kv.train.loop import TrainConfig, data_at, lr_at, run_done, train
+from embodied_kv.train.loop import TrainConfig, call_over, data_at, lr_at, run_done, train
+from embodied_kv.train.resume import STATE_FILE, ResumeError
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained
 from embodied_kv.world.dataset import DataConfig
 from embodied_kv.world.render import observation_images
@@ -154,3 +156,60 @@ def test_embed_std_draws_the_fresh_text_embedding(tmp_path):
     assert main(["train", "--steps", "1", "--embed-std", "1.5"]) == 2
     with pytest.raises(ValueError, match="embed_std"):
         TrainConfig(steps=1, embed_std=-0.1)
+
+
+def test_a_run_in_calls_ends_with_the_weights_of_one_call(tmp_path):
+    """until + resume: the same optimiser moments, patch head, noise and schedule, so the
+    same weights bytes as one uninterrupted run; the log holds every step once."""
+    base = dict(steps=5, batch=3, curriculum=2, warmup=2, log_every=1, ckpt_every=2)
+    train(TrainConfig(out=str(tmp_path / "one"), **base), progress=False)
+    cut = tmp_path / "cut"
+    first = train(TrainConfig(out=str(cut), until=3, **base), progress=False)
+    assert [r["step"] for r in first] == [0, 1, 2]
+    rest = train(TrainConfig(out=str(cut), resume=True, **base), progress=False)
+    assert [r["step"] for r in rest] == [3, 4]
+    a, b = load_file(tmp_path / "one" / WEIGHTS_FILE), load_file(cut / WEIGHTS_FILE)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa, sb = (load_file(d / STATE_FILE) for d in (tmp_path / "one", cut))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    logged = [json.loads(x)["step"] for x in (cut / "train_log.jsonl").read_text().splitlines()]
+    assert logged == [0, 1, 2, 3, 4]
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
+    base = dict(steps=4, batch=2, curriculum=0, ckpt_every=100)
+    out = tmp_path / "run"
+    with pytest.raises(ResumeError, match="nothing to resume"):
+        train(TrainConfig(out=str(out), resume=True, **base), progress=False)
+    train(TrainConfig(out=str(out), until=1, **base), progress=False)
+    weights = (out / WEIGHTS_FILE).read_bytes()
+    state = (out / STATE_FILE).read_bytes()
+    with pytest.raises(ResumeError, match="another config"):
+        train(TrainConfig(out=str(out), resume=True, **{**base, "batch": 3}), progress=False)
+    (out / WEIGHTS_FILE).write_bytes(weights[:-8] + bytes(8))  # weights not the state's
+    with pytest.raises(ResumeError, match="not the weights file"):
+        train(TrainConfig(out=str(out), resume=True, **base), progress=False)
+    (out / WEIGHTS_FILE).write_bytes(weights)
+    assert (out / STATE_FILE).read_bytes() == state  # refused calls changed nothing
+    args = ["train", "--out", str(out), "--steps", "4", "--batch", "3", "--curriculum", "0",
+            "--resume"]  # fmt: skip
+    assert main(args) == 2 and "another config" in capsys.readouterr().err
+    args[6] = "2"  # the run's own batch
+    assert main([*args, "--until", "3"]) == 0
+    assert "paused before step 3" in capsys.readouterr().out
+    assert main(args) == 0 and "paused" not in capsys.readouterr().out
+    with safe_open(str(out / STATE_FILE), framework="pt") as f:
+        assert f.metadata()["step"] == "4"
+
+
+def test_a_call_ends_at_until_or_stop_after_but_the_schedule_does_not():
+    cfg = TrainConfig(steps=100, until=40, stop_after=2.0, warmup=10, lr=1.0)
+    assert not call_over(cfg, 39, 119.0)
+    assert call_over(cfg, 40, 0.0) and call_over(cfg, 1, 120.0)
+    assert not call_over(TrainConfig(steps=100), 99, 1e9)
+    # the learning rate of step 50 is the same whether or not this call pauses there
+    assert lr_at(cfg, 50, run_done(cfg, 50, 0.0)) == lr_at(
+        TrainConfig(steps=100, warmup=10, lr=1.0), 50, 0.5
+    )
+    with pytest.raises(ValueError, match="until"):
+        TrainConfig(steps=1, until=-1)

@@ -1,0 +1,128 @@
+"""A training run's state beside its weights, so that a run cut into several calls (a
+GPU lent for minutes at a time) ends with the same weights as one uninterrupted run.
+
+`train_state.safetensors` holds what the weights file does not: AdamW's moments and
+step counts, the training-only patch head, the noise generator's state, and in its
+metadata the step, the run's elapsed seconds, the config that must not change across
+calls and the sha256 of the weights file it was written with (a crash between the
+two writes is caught on load, not trained on). safetensors only: loading runs no code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from embodied_kv.model.weights import atomic_save
+
+STATE_FILE = "train_state.safetensors"
+STATE_FORMAT = "embodied_kv.train_state.v1"
+# fields a resumed call may change: where and how fast it runs, and when this call stops
+PER_CALL = ("out", "minutes", "until", "stop_after", "resume", "data_workers", "device",
+            "threads", "log_every", "ckpt_every")  # fmt: skip
+
+
+class ResumeError(ValueError):
+    """The saved run cannot be continued with this config (nothing was changed)."""
+
+
+@dataclasses.dataclass
+class RunState:
+    step: int  # optimiser steps taken
+    elapsed: float  # seconds of training behind us, over every call
+
+
+def run_fingerprint(cfg) -> str:
+    """The config that decides the run's weights (JSON, sorted)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_CALL}
+    return json.dumps(fields, sort_keys=True, default=str)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def save_state(
+    out: Path, weights: Path, cfg, opt: torch.optim.Optimizer, head: torch.nn.Module | None,
+    gen: torch.Generator, state: RunState,
+) -> Path:
+    """Written after `weights` (atomically), naming its sha256."""
+    tensors = {"generator": gen.get_state()}
+    for i, entry in opt.state_dict()["state"].items():
+        for name, value in entry.items():
+            tensors[f"opt.{i}.{name}"] = torch.as_tensor(value)
+    if head is not None:
+        tensors |= {f"head.{k}": v for k, v in head.state_dict().items()}
+    meta = {"format": STATE_FORMAT, "step": str(state.step), "elapsed": repr(state.elapsed),
+            "config": run_fingerprint(cfg), "weights_sha256": _sha256(weights)}  # fmt: skip
+    path = out / STATE_FILE
+    atomic_save(tensors, path, meta)
+    return path
+
+
+@torch.no_grad()
+def load_state(out: Path, weights: Path, cfg, opt: torch.optim.Optimizer,
+               head: torch.nn.Module | None, gen: torch.Generator) -> RunState:  # fmt: skip
+    """Restore opt, head and gen in place from out/train_state.safetensors; ResumeError
+    naming what does not match (then nothing was changed)."""
+    path = check_resumable(out, weights)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if meta.get("format") != STATE_FORMAT:
+        raise ResumeError(f"{path}: not a training state (format={meta.get('format')!r})")
+    if meta.get("config") != run_fingerprint(cfg):
+        raise ResumeError(f"{path}: written by a run with another config; resume with the "
+                         f"same flags (saved: {meta.get('config')})")  # fmt: skip
+    if not weights.is_file() or meta.get("weights_sha256") != _sha256(weights):
+        raise ResumeError(f"{path}: {weights} is not the weights file this state was "
+                         "saved with (a write was cut between the two files)")  # fmt: skip
+    opt_state = _optimizer_state(opt, tensors, path)
+    head_state = {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}
+    if head is not None:
+        want = head.state_dict()
+        if set(head_state) != set(want) or any(
+            head_state[k].shape != want[k].shape for k in want
+        ):
+            raise ResumeError(f"{path}: its patch head does not fit this run's")
+    opt.load_state_dict(opt_state)  # everything checked: now change the run
+    if head is not None:
+        head.load_state_dict(head_state)
+    gen.set_state(tensors["generator"])
+    return RunState(int(meta["step"]), float(meta["elapsed"]))
+
+
+def check_resumable(out: Path, weights: Path) -> Path:
+    """The state file of the run in `out`; ResumeError when there is none to resume."""
+    path = out / STATE_FILE
+    for need in (path, weights):
+        if not need.is_file():
+            raise ResumeError(f"nothing to resume in {out}: {need.name} does not exist")
+    return path
+
+
+def _optimizer_state(opt: torch.optim.Optimizer, tensors: dict, path: Path) -> dict:
+    """The optimiser's state_dict from the file's `opt.<i>.<name>` tensors, checked
+    against the parameters' shapes."""
+    current = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("opt."):
+            _, i, name = key.split(".", 2)
+            state.setdefault(int(i), {})[name] = value
+    if sorted(state) != list(range(len(params))):
+        raise ResumeError(f"{path}: optimiser state for {len(state)} tensors, the run has "
+                         f"{len(params)}")  # fmt: skip
+    for i, p in enumerate(params):
+        for name in ("exp_avg", "exp_avg_sq"):
+            if name not in state[i] or state[i][name].shape != p.shape:
+                raise ResumeError(f"{path}: optimiser {name} of tensor {i} does not fit "
+                                 f"shape {tuple(p.shape)}")  # fmt: skip
+    return {"state": state, "param_groups": current["param_groups"]}
