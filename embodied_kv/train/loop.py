@@ -133,8 +133,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                          "horizon": mcfg.action_horizon})  # fmt: skip
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
     if cfg.resume:
-        check_resumable(out, out / WEIGHTS_FILE)
-        load_weights(model, out / WEIGHTS_FILE)  # the state below checks it is its file
+        check_resumable(out)  # before anything is built; the weights come from the state
     elif cfg.init:
         load_weights(model, cfg.init)  # ValueError naming the mismatch: nothing trained
     elif cfg.embed_std > 0:
@@ -150,7 +149,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     gen = torch.Generator().manual_seed(cfg.seed)
     run = RunState(0, 0.0)
     if cfg.resume:
-        run = load_state(out, out / WEIGHTS_FILE, cfg, opt, head, gen)
+        run = load_state(out, model, cfg, opt, head, gen)
     log_path = out / "train_log.jsonl"
     keep_log(log_path, run.step)
     records: list[dict] = []
@@ -222,9 +221,10 @@ def keep_log(path: Path, step: int) -> None:
 
 
 def save_run(cfg: TrainConfig, model, opt, head, gen, run: RunState) -> None:
-    """The weights, then the state that resumes from them."""
+    """The state that resumes the run (weights included), then the weights it ships."""
     out = Path(cfg.out)
-    save_state(out, save_checkpoint(model, out), cfg, opt, head, gen, run)
+    save_state(out, model, cfg, opt, head, gen, run)
+    save_checkpoint(model, out)
 
 
 @torch.no_grad()

@@ -1,24 +1,24 @@
 """A training run's state beside its weights, so that a run cut into several calls (a
 GPU lent for minutes at a time) ends with the same weights as one uninterrupted run.
 
-`train_state.safetensors` holds what the weights file does not: AdamW's moments and
-step counts, the training-only patch head, the noise generator's state, and in its
-metadata the step, the run's elapsed seconds, the config that must not change across
-calls and the sha256 of the weights file it was written with (a crash between the
-two writes is caught on load, not trained on). safetensors only: loading runs no code.
+`train_state.safetensors` is the whole run in one atomically written file: the model's
+weights (a copy of what weights.safetensors ships, so a kill between the two writes
+cannot strand a run), AdamW's moments and step counts, the training-only patch head,
+the noise generator's state, and in its metadata the step, the run's elapsed seconds
+and the config that must not change across calls. safetensors only: loading runs no
+code.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from embodied_kv.model.weights import atomic_save
+from embodied_kv.model.weights import assign_state, atomic_save
 
 STATE_FILE = "train_state.safetensors"
 STATE_FORMAT = "embodied_kv.train_state.v1"
@@ -43,46 +43,47 @@ def run_fingerprint(cfg) -> str:
     return json.dumps(fields, sort_keys=True, default=str)
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def save_state(
-    out: Path, weights: Path, cfg, opt: torch.optim.Optimizer, head: torch.nn.Module | None,
-    gen: torch.Generator, state: RunState,
+    out: Path, model: torch.nn.Module, cfg, opt: torch.optim.Optimizer,
+    head: torch.nn.Module | None, gen: torch.Generator, state: RunState,
 ) -> Path:
-    """Written after `weights` (atomically), naming its sha256."""
     tensors = {"generator": gen.get_state()}
+    tensors |= {f"model.{k}": v for k, v in model.state_dict().items()}
     for i, entry in opt.state_dict()["state"].items():
         for name, value in entry.items():
             tensors[f"opt.{i}.{name}"] = torch.as_tensor(value)
     if head is not None:
         tensors |= {f"head.{k}": v for k, v in head.state_dict().items()}
     meta = {"format": STATE_FORMAT, "step": str(state.step), "elapsed": repr(state.elapsed),
-            "config": run_fingerprint(cfg), "weights_sha256": _sha256(weights)}  # fmt: skip
+            "config": run_fingerprint(cfg)}  # fmt: skip
     path = out / STATE_FILE
     atomic_save(tensors, path, meta)
     return path
 
 
 @torch.no_grad()
-def load_state(out: Path, weights: Path, cfg, opt: torch.optim.Optimizer,
-               head: torch.nn.Module | None, gen: torch.Generator) -> RunState:  # fmt: skip
-    """Restore opt, head and gen in place from out/train_state.safetensors; ResumeError
-    naming what does not match (then nothing was changed)."""
-    path = check_resumable(out, weights)
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+def load_state(
+    out: Path, model: torch.nn.Module, cfg, opt: torch.optim.Optimizer,
+    head: torch.nn.Module | None, gen: torch.Generator,
+) -> RunState:
+    """Restore model, opt, head and gen in place from out/train_state.safetensors;
+    ResumeError naming what does not match (then nothing was changed)."""
+    path = check_resumable(out)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors' own error types: a cut or foreign file
+        raise ResumeError(f"{path}: unreadable ({e})") from e
     if meta.get("format") != STATE_FORMAT:
         raise ResumeError(f"{path}: not a training state (format={meta.get('format')!r})")
     if meta.get("config") != run_fingerprint(cfg):
         raise ResumeError(f"{path}: written by a run with another config; resume with the "
                          f"same flags (saved: {meta.get('config')})")  # fmt: skip
-    if not weights.is_file() or meta.get("weights_sha256") != _sha256(weights):
-        raise ResumeError(f"{path}: {weights} is not the weights file this state was "
-                         "saved with (a write was cut between the two files)")  # fmt: skip
+    weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    own = model.state_dict()
+    if weights.keys() != own.keys() or any(weights[k].shape != own[k].shape for k in own):
+        raise ResumeError(f"{path}: its weights do not fit this run's model")
     opt_state = _optimizer_state(opt, tensors, path)
     head_state = {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}
     if head is not None:
@@ -91,19 +92,19 @@ def load_state(out: Path, weights: Path, cfg, opt: torch.optim.Optimizer,
             head_state[k].shape != want[k].shape for k in want
         ):
             raise ResumeError(f"{path}: its patch head does not fit this run's")
-    opt.load_state_dict(opt_state)  # everything checked: now change the run
+    assign_state(model, weights, str(path))  # everything checked: now change the run
+    opt.load_state_dict(opt_state)
     if head is not None:
         head.load_state_dict(head_state)
     gen.set_state(tensors["generator"])
     return RunState(int(meta["step"]), float(meta["elapsed"]))
 
 
-def check_resumable(out: Path, weights: Path) -> Path:
+def check_resumable(out: Path) -> Path:
     """The state file of the run in `out`; ResumeError when there is none to resume."""
     path = out / STATE_FILE
-    for need in (path, weights):
-        if not need.is_file():
-            raise ResumeError(f"nothing to resume in {out}: {need.name} does not exist")
+    if not path.is_file():
+        raise ResumeError(f"nothing to resume in {out}: {STATE_FILE} does not exist")
     return path
 
 
