@@ -43,6 +43,29 @@ def run_fingerprint(cfg) -> str:
     return json.dumps(fields, sort_keys=True, default=str)
 
 
+def config_changes(saved: str, cfg) -> list[str]:
+    """Where `cfg` differs from the saved fingerprint. A field the saved run did not
+    know (added to the code since) counts as unchanged at its default, so a run
+    resumes across versions that only add options."""
+    old = json.loads(saved)
+    new = json.loads(run_fingerprint(cfg))
+    return _diff(old, new, cfg, "")
+
+
+def _diff(old: dict, new: dict, obj, prefix: str) -> list[str]:
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    out = []
+    for k, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(k), dict):
+            out += _diff(old[k], value, getattr(obj, k), f"{prefix}{k}.")
+        elif k in old and old[k] != value:
+            out.append(f"{prefix}{k}: saved {old[k]!r}, now {value!r}")
+        elif k not in old and value != json.loads(json.dumps(defaults[k], default=str)):
+            out.append(f"{prefix}{k}: new option, {value!r} is not its default")
+    out += [f"{prefix}{k}: saved {old[k]!r}, gone from the code" for k in old if k not in new]
+    return out
+
+
 def save_state(
     out: Path, model: torch.nn.Module, cfg, opt: torch.optim.Optimizer,
     head: torch.nn.Module | None, gen: torch.Generator, state: RunState,
@@ -77,9 +100,10 @@ def load_state(
         raise ResumeError(f"{path}: unreadable ({e})") from e
     if meta.get("format") != STATE_FORMAT:
         raise ResumeError(f"{path}: not a training state (format={meta.get('format')!r})")
-    if meta.get("config") != run_fingerprint(cfg):
+    changes = config_changes(meta.get("config", "{}"), cfg)
+    if changes:
         raise ResumeError(f"{path}: written by a run with another config; resume with the "
-                         f"same flags (saved: {meta.get('config')})")  # fmt: skip
+                          f"same flags ({'; '.join(changes)})")  # fmt: skip
     weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
     own = model.state_dict()
     if weights.keys() != own.keys() or any(weights[k].shape != own[k].shape for k in own):

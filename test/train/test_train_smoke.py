@@ -12,7 +12,7 @@ from embodied_kv.cli import main
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.model.vla import Observation
 from embodied_kv.train.loop import TrainConfig, call_over, data_at, lr_at, run_done, train
-from embodied_kv.train.resume import STATE_FILE, ResumeError
+from embodied_kv.train.resume import STATE_FILE, ResumeError, config_changes, run_fingerprint
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained
 from embodied_kv.world.dataset import DataConfig
 from embodied_kv.world.render import observation_images
@@ -214,3 +214,19 @@ def test_a_call_ends_at_until_or_stop_after_but_the_schedule_does_not():
     )
     with pytest.raises(ValueError, match="until"):
         TrainConfig(steps=1, until=-1)
+
+
+def test_a_saved_run_resumes_after_the_code_gains_an_option():
+    cfg = TrainConfig(steps=10, lr=3e-4)
+    saved = json.loads(run_fingerprint(cfg))
+    del saved["embed_std"], saved["data"]["memory_hard"]  # options an older version lacked
+    assert config_changes(json.dumps(saved), cfg) == []
+    assert config_changes(json.dumps(saved), TrainConfig(steps=10, lr=3e-4, embed_std=0.1)) == [
+        "embed_std: new option, 0.1 is not its default"
+    ]
+    assert config_changes(run_fingerprint(cfg), TrainConfig(steps=10, lr=1e-3)) == [
+        "lr: saved 0.0003, now 0.001"
+    ]
+    assert config_changes(json.dumps({**saved, "old": 1}), cfg) == [
+        "old: saved 1, gone from the code"
+    ]
