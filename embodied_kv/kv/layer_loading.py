@@ -11,10 +11,20 @@ What is recomputed at layer i + 1 is decided only after layer i, so:
                      segments already dropped (never recomputed again) while the
                      copies issued at this point stay within `budget_rows`
 
-so the copy engine works about as much at every layer instead of all at once. On
-CUDA the copies run on a side stream from pinned memory, each layer's compute waits
-on the event after the last copy of that layer; on the CPU the same schedule runs as
-plain copies. Re-rotation of the copied keys runs on the compute stream at the wait.
+so the copy engine works about as much at every layer instead of all at once.
+
+The rows come from the request's packed host image (kv/host_image.py). A layer's
+copies at one issue point are, per K and V, one range of the image and one gather:
+
+    CUDA   image[layer, lo:hi] --one async copy (pinned)--> staging [hi - lo] on the device
+    CPU    image[layer, lo:hi] (a view)
+    both   rows = staged[index]; keys re-rotated; slot rows <- rows (one index_copy_)
+
+(the range may hold rows of units not copied at that point, e.g. between preloaded
+dropped units: staged, never written). The host work per request grows with layers,
+not layers x segments. On CUDA this runs on a side stream and the compute of a layer
+waits on the event after its last copy; the CPU runs the same ops in line (the tests
+exercise this path).
 `overlap=False` copies everything before layer 0 (the ablation).
 """
 
@@ -25,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from embodied_kv.kv.arena import KVArena
-from embodied_kv.kv.memory import KVBlock
-from embodied_kv.kv.memory_kv import rerotate
+from embodied_kv.kv.host_image import HostImage, Source, pack
+from embodied_kv.kv.step import to_device_as_one
 from embodied_kv.model.layers import Rope
 
 
@@ -87,76 +97,71 @@ class LoadSchedule:
         return out
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where a segment's cached rows come from and go to."""
-
-    block: KVBlock
-    block_row: int  # first row in the block
-    slot_row: int  # first row in the slot
-    n: int
-    delta: int  # placement position - cached position (re-rotation)
-
-
 class LayerLoader:
-    """Runs a LoadSchedule: copies host-tier rows into one slot, re-rotates keys."""
+    """Runs a LoadSchedule: copies rows of the packed image into one slot, keys re-rotated.
+    `image`: the sources packed (`pack`), when the caller already has it."""
 
     def __init__(self, arena: KVArena, slot: int, rope: Rope, sources: list[Source],
-                 schedule: LoadSchedule):  # fmt: skip
-        self.arena, self.slot, self.rope = arena, slot, rope
-        self.sources, self.schedule = sources, schedule
+                 schedule: LoadSchedule, image: HostImage | None = None):  # fmt: skip
+        self.arena, self.slot, self.rope, self.schedule = arena, slot, rope, schedule
+        self.image = image if image is not None or not sources else pack(
+            sources, rope, arena.device)  # fmt: skip
         self.cuda = arena.device.type == "cuda"
         self.stream = torch.cuda.Stream(arena.device) if self.cuda else None
         self.events: dict[int, torch.cuda.Event] = {}  # layer -> after its last copy
-        self.pending: dict[int, list[int]] = {}  # layer -> units copied, not yet rotated
-        # per unit, built once: its slot rows and each row's re-rotation distance
-        self.rows = [torch.arange(s.slot_row, s.slot_row + s.n) for s in sources]
-        self.deltas = [torch.full((s.n,), s.delta) for s in sources]
+        self.staging: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.cuda and self.image is not None:  # one layer of the image, K and V
+            with torch.cuda.stream(self.stream):  # allocated for (and freed by) the stream
+                shape, dtype = self.image.k.shape[1:], self.image.k.dtype
+                self.staging = tuple(torch.empty(shape, dtype=dtype, device=arena.device)
+                                     for _ in range(2))  # fmt: skip
 
     def issue(self, i: int, active: set[int]) -> None:
         copies = self.schedule.issue(i, active)
         if not copies:
             return
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.arena.device))
-            with torch.cuda.stream(self.stream):
-                self._copy(copies)
-        else:
-            self._copy(copies)
-
-    def _copy(self, copies: list[Copy]) -> None:
-        """CUDA: one async copy per segment from pinned memory on the copy stream. CPU:
-        one gather and one indexed write per layer (the copies are the host's own work)."""
-        k, v = self.arena.k, self.arena.v
         by_layer: dict[int, list[int]] = {}  # layer -> units, in issue order
         for c in copies:
             by_layer.setdefault(c.layer, []).append(c.unit)
-            self.pending.setdefault(c.layer, []).append(c.unit)
-        for layer, units in by_layer.items():
-            srcs = [self.sources[u] for u in units]
-            if self.cuda:
-                for s in srcs:
-                    dst = slice(s.slot_row, s.slot_row + s.n)
-                    src = slice(s.block_row, s.block_row + s.n)
-                    k[layer, self.slot, dst].copy_(s.block.k[layer, src], non_blocking=True)
-                    v[layer, self.slot, dst].copy_(s.block.v[layer, src], non_blocking=True)
-                event = self.events.setdefault(layer, torch.cuda.Event())
-                event.record(self.stream)
-                continue
-            rows = torch.cat([self.rows[u] for u in units])
-            for cache, part in ((k, "k"), (v, "v")):
-                got = [getattr(s.block, part)[layer, s.block_row : s.block_row + s.n] for s in srcs]
-                cache[layer, self.slot].index_copy_(0, rows, torch.cat(got))
+        if not self.cuda:
+            self._copy(by_layer)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.arena.device))
+        with torch.cuda.stream(self.stream):
+            self._copy(by_layer)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for layer in by_layer:  # a later point's event follows the earlier on the stream
+            self.events[layer] = event
+
+    def _copy(self, by_layer: dict[int, list[int]]) -> None:
+        """Per layer and K/V: one range of the image (on CUDA one async copy to the
+        staging buffer), one gather of the units' rows, one indexed write into the slot.
+        The indices of every layer of the point reach the device in one copy."""
+        img = self.image
+        ranges, index = [], []
+        for units in by_layer.values():
+            lo, hi, rel = img.rows_of(units)
+            ranges.append((lo, hi))
+            index += [rel, rel + lo, img.slot_row[lo:hi].index_select(0, rel)]
+        index = to_device_as_one(index, self.arena.device)
+        for j, (layer, (lo, hi)) in enumerate(zip(by_layer, ranges, strict=True)):
+            rel, rows, dst = index[3 * j : 3 * j + 3]  # [r] each
+            k = self._rows(img.k, 0, layer, lo, hi).index_select(0, rel)  # [r, Hkv, D]
+            k = self.rope.rotate(k, (img.cos.index_select(0, rows), img.sin.index_select(0, rows)))
+            v = self._rows(img.v, 1, layer, lo, hi).index_select(0, rel)
+            self.arena.k[layer, self.slot].index_copy_(0, dst, k)
+            self.arena.v[layer, self.slot].index_copy_(0, dst, v)
+
+    def _rows(self, part: torch.Tensor, which: int, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """Image rows [lo, hi) of one layer where the gather can read them: on CUDA one
+        async copy (pinned) into the staging buffer, on the CPU a view."""
+        rows = part[layer, lo:hi]  # [hi - lo, Hkv, D]
+        if self.staging is None:
+            return rows
+        return self.staging[which][: hi - lo].copy_(rows, non_blocking=True)
 
     def wait(self, i: int) -> None:
-        """Before layer i computes: its copies are done and their keys re-rotated."""
+        """Before layer i computes: its copies are done (re-rotated as they landed)."""
         if self.cuda and i in self.events:
-            torch.cuda.current_stream(self.arena.device).wait_event(self.events[i])
-        units = self.pending.pop(i, [])
-        if not units:
-            return
-        dev = self.arena.device
-        rows = torch.cat([self.rows[u] for u in units]).to(dev)
-        delta = torch.cat([self.deltas[u] for u in units]).to(dev)
-        k = self.arena.k[i, self.slot]  # [T, Hkv, D]
-        k[rows] = rerotate(self.rope, k[rows], delta).to(k.dtype)
+            torch.cuda.current_stream(self.arena.device).wait_event(self.events.pop(i))

@@ -29,10 +29,14 @@ from embodied_kv.model.vla import VLA, StepInput
 @torch.no_grad()
 def rerotate(rope: Rope, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """k [n, H, D] after RoPE at positions p -> the same keys at p + delta ([n] int64)."""
+    return rope.rotate(k, rerotation(rope, delta))
+
+
+def rerotation(rope: Rope, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables `rope.rotate` takes to move keys by delta [n] -> (cos, sin) [n, 1, D]."""
     d = delta.to(rope.cos.device)
     cos, sin = rope.at(d.abs())
-    sin = torch.where((d < 0)[:, None, None], -sin, sin)
-    return rope.rotate(k, (cos, sin))
+    return cos, torch.where((d < 0)[:, None, None], -sin, sin)
 
 
 def encode(model: VLA, text: str) -> list[int]:

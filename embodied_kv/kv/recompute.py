@@ -12,6 +12,10 @@ at layer i is never computed again, so its cached KV serves every later layer.
 
 With every token active at every layer this is `GemmaBackbone.forward` over the same
 packed step, op for op (`layer_forward`), so its bytes equal full recomputation.
+
+Token sets cross the selector interface as host masks over the prompt ([n] bool): a
+layer's host work is a few tensor ops, one selector sync and one small index copy,
+whatever the number of segments.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import torch
 
 from embodied_kv.kernels.packed_attention import bucket
 from embodied_kv.kv.arena import KVArena
-from embodied_kv.kv.layer_loading import LayerLoader, LoadSchedule, Source
+from embodied_kv.kv.host_image import HostImage, Source, pack
+from embodied_kv.kv.layer_loading import LayerLoader, LoadSchedule
 from embodied_kv.kv.memory_kv import PromptLayout
-from embodied_kv.kv.step import PackedStep, Segment, logit_rows, plan_step
+from embodied_kv.kv.step import PackedStep, Segment, logit_rows, plan_step, to_device_as_one
 from embodied_kv.model.vla import VLA, StepInput
 
 
@@ -34,22 +39,24 @@ class LayerView:
     """What a selector sees after layer i: the step's tokens and their queries."""
 
     layer: int
-    tokens: list[int]  # prompt token index of each real row of the step
-    q: torch.Tensor  # [len(tokens), Hq, D] after RoPE
-    hidden: torch.Tensor  # [len(tokens), W] the layer's output (the next layer's input)
+    tokens: torch.Tensor  # [m] int64 host: prompt token index of each real row, ascending
+    q: torch.Tensor  # [m, Hq, D] after RoPE
+    hidden: torch.Tensor  # [m, W] the layer's output (the next layer's input)
     backbone: torch.nn.Module
-    kv_len: list[int]  # rows each token read
+    kv_len: torch.Tensor  # [m] int64 host: rows each token read
     arena: KVArena
     slot: int
     row0: int  # slot row of prompt token 0
+    image: HostImage | None  # the cached rows placed (None: the prompt has no block)
 
 
 class Selector(Protocol):
-    def initial(self, lay: PromptLayout) -> set[int]:
-        """Token indices computed at layer 0."""
+    def initial(self, lay: PromptLayout) -> torch.Tensor:
+        """[lay.n] bool host: the tokens computed at layer 0."""
 
-    def next(self, view: LayerView, lay: PromptLayout) -> set[int]:
-        """Token indices computed at layer view.layer + 1 (a subset of view.tokens)."""
+    def next(self, view: LayerView, lay: PromptLayout) -> torch.Tensor:
+        """[lay.n] bool host: the tokens computed at layer view.layer + 1 (a subset of
+        view.tokens, the last token among them)."""
 
 
 @dataclass
@@ -69,44 +76,49 @@ def selective_prefill(
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Append `lay` to `slot` -> (logits [V] after its last token, stats)."""
     backbone = model.backbone
-    n = lay.n
+    n, num_layers = lay.n, len(backbone.layers)
     plan = plan_step(arena, [Segment(slot, n, causal=True)])
     x = model.embed_inputs([StepInput(slot, ids=torch.tensor(lay.ids))], plan.n_padded)
     row0 = int(arena.length[0, slot])
     pos0 = int(arena.next_pos[slot])
-    sources, units = _sources(lay, row0, pos0)
-    tokens = sorted(selector.initial(lay))
-    schedule = LoadSchedule(len(backbone.layers), [s.n for s in sources], overlap=overlap)
-    loader = LayerLoader(arena, slot, backbone.rope, sources, schedule)
-    step = plan if len(tokens) == n else _sub_step(arena, plan, tokens)
-    if len(tokens) != n:
-        x = _gather(x, list(range(n)), tokens, step.n_padded)
+    sources = _sources(lay, row0, pos0)
+    image = pack(sources, backbone.rope, arena.device)
+    schedule = LoadSchedule(num_layers, [s.n for s in sources], overlap=overlap)
+    loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image)
+    image_token = image.slot_row - row0 if image is not None else None  # [R] host
+    active = selector.initial(lay)  # [n] bool host: the rows of x and of `step`
+    step = plan
+    if not active.all():
+        step, x = _narrow(arena, plan, x, torch.ones_like(active), active)
+    tokens = active.nonzero().view(-1)
+    cos_sin = backbone.rope.at(step.position)
     stats = PrefillStats([], [])
-    for i in range(len(backbone.layers)):
-        loader.issue(i, _active_units(units, tokens))
+    for i in range(num_layers):
+        loader.issue(i, _computed_units(image, image_token, active))
         stats.copied_rows.append(sum(sources[c.unit].n for c in schedule.points[-1]))
         loader.wait(i)
         stats.active.append(len(tokens))
-        x, q = backbone.layer_forward(i, x, backbone.rope.at(step.position), step, arena)
-        if i + 1 == len(backbone.layers):
+        x, q = backbone.layer_forward(i, x, cos_sin, step, arena)
+        if i + 1 == num_layers:
             break
         m = len(tokens)
-        view = LayerView(i, tokens, q[:m], x[:m], backbone, step.kv_len_host[i, :m].tolist(),
-                         arena, slot, row0)  # fmt: skip
-        keep = sorted(selector.next(view, lay))
-        if keep != tokens:
-            assert set(keep) <= set(tokens) and n - 1 in keep
-            sub = _sub_step(arena, plan, keep)
-            x, tokens, step = _gather(x, tokens, keep, sub.n_padded), keep, sub
+        view = LayerView(i, tokens, q[:m], x[:m], backbone, step.kv_len_host[i, :m], arena,
+                         slot, row0, image)  # fmt: skip
+        keep = selector.next(view, lay)
+        if not torch.equal(keep, active):
+            assert not (keep & ~active).any() and keep[n - 1]
+            step, x = _narrow(arena, plan, x, active, keep)
+            active, tokens = keep, keep.nonzero().view(-1)
+            cos_sin = backbone.rope.at(step.position)
     arena.length[:, slot] += n
     arena.next_pos[slot] += n
     logits = backbone.logits(backbone.norm(x), step.last_index)[0]
     return logits, stats
 
 
-def _sources(lay: PromptLayout, row0: int, pos0: int) -> tuple[list[Source], list[range]]:
-    """One loader unit per segment with a cached block -> (sources, token range of each)."""
-    sources, units = [], []
+def _sources(lay: PromptLayout, row0: int, pos0: int) -> list[Source]:
+    """One loader unit per segment with a cached block, in prompt order."""
+    sources = []
     for p in lay.placed:
         if p.block is None:
             continue
@@ -114,50 +126,49 @@ def _sources(lay: PromptLayout, row0: int, pos0: int) -> tuple[list[Source], lis
             assert m == bm
             delta = (pos0 + start) - (p.block.pos0 + brow)
             sources.append(Source(p.block, brow, row0 + start, m, delta))
-            units.append(range(start, start + m))
-    return sources, units
+    return sources
 
 
-def _active_units(units: list[range], tokens: list[int]) -> set[int]:
+def _computed_units(image: HostImage | None, token: torch.Tensor | None,
+                    active: torch.Tensor) -> set[int]:  # fmt: skip
     """Loader units that need no cache at this layer: every token of them computed."""
-    have = set(tokens)
-    return {u for u, r in enumerate(units) if all(t in have for t in r)}
+    if image is None:
+        return set()
+    cached = set(image.unit[~active[token]].unique().tolist())
+    return set(range(len(image.start) - 1)) - cached
 
 
-def _gather(x: torch.Tensor, tokens: list[int], keep: list[int], n_padded: int) -> torch.Tensor:
-    """Rows of `keep` out of x (rows laid out as `tokens`) -> [n_padded, W], zero padding."""
-    where = {t: j for j, t in enumerate(tokens)}
-    idx = torch.tensor([where[t] for t in keep], device=x.device)
-    out = torch.zeros(n_padded, x.shape[1], dtype=x.dtype, device=x.device)
-    out[: len(keep)] = x.index_select(0, idx)
-    return out
-
-
-def _sub_step(arena: KVArena, plan: PackedStep, tokens: list[int]) -> PackedStep:
-    """The packed step of `tokens` (indices into `plan`'s one causal run) alone: each
-    keeps its row, position and reach; padding goes to the scratch slot as in plan_step."""
-    m = len(tokens)
+def _narrow(arena: KVArena, plan: PackedStep, x: torch.Tensor, active: torch.Tensor,
+            keep: torch.Tensor) -> tuple[PackedStep, torch.Tensor]:  # fmt: skip
+    """The packed step of the tokens `keep` ([n] bool, a subset of `active`) alone, and
+    their rows of x (laid out as `active`) -> (step, x [n_padded, W], zero padding).
+    Each token keeps its row, position and reach; padding goes to the scratch slot as in
+    plan_step. The host indices reach the device in one copy."""
+    t_host = keep.nonzero().view(-1)  # [m] prompt token indices
+    m = len(t_host)
     pad = bucket(m) - m
-    dev = arena.device
-    t = torch.tensor(tokens, device=dev)
-    t_host = torch.tensor(tokens)
-    j = torch.arange(pad, device=dev)
     n_layers = plan.row.shape[0]
-    scratch = torch.full((pad,), arena.scratch_slot, dtype=torch.int64, device=dev)
-    row = torch.cat([plan.row[:, t], j.expand(n_layers, pad)], dim=1)
     kv_host = torch.cat(
         [plan.kv_len_host[:, t_host], torch.arange(1, pad + 1).expand(n_layers, pad)], dim=1
     )
+    where = (active.cumsum(0) - 1)[t_host]  # [m] each token's row of x
+    t, where, kv_len = to_device_as_one([t_host, where, kv_host], arena.device)
+    dev = arena.device
+    j = torch.arange(pad, device=dev)
+    scratch = torch.full((pad,), arena.scratch_slot, dtype=torch.int64, device=dev)
     slot = plan.segments[0].slot
-    return PackedStep(
+    step = PackedStep(
         segments=(Segment(slot, m),),
         n_real=m,
         slot=torch.cat([plan.slot[t], scratch]),
         position=torch.cat([plan.position[t], torch.zeros_like(j)]),
-        row=row,
-        kv_len=kv_host.to(dev),
+        row=torch.cat([plan.row[:, t], j.expand(n_layers, pad)], dim=1),
+        kv_len=kv_len,
         kv_len_host=kv_host,
         runs=[(slot, 0, m)],
         last=[m - 1],
         last_index=torch.full((logit_rows(arena),), m - 1, dtype=torch.int64, device=dev),
     )
+    out = torch.zeros(step.n_padded, x.shape[1], dtype=x.dtype, device=x.device)
+    out[:m] = x.index_select(0, where)
+    return step, out

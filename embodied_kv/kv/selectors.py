@@ -9,6 +9,11 @@
 * `CacheBlendSelector` (token level): the ~15 % memory tokens whose V at layer 1
   deviates most from their cached V are computed from layer 1 on; the rest use the cache.
 * `FixedSelector`: a fixed set at every layer (full reuse: header + query only).
+
+Token sets are host masks over the prompt ([n] bool, kv/recompute.py). A prompt's
+segments become index tensors once per request (`SegmentIndex`), so a layer's
+selection is a fixed number of tensor ops (segment sums by index_add_, top-k on the
+device) and one sync for the answer, whatever the number of segments.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.recompute import LayerView
+from embodied_kv.kv.step import to_device, to_device_as_one
 
 
 @dataclass(frozen=True)
@@ -49,72 +55,115 @@ class KeepConfig:
         return self.first_ratio + f * (self.last_ratio - self.first_ratio)
 
 
+@dataclass(frozen=True)
+class SegmentIndex:
+    """A prompt's segments as tensors, built once per request."""
+
+    count: int  # S segments
+    last: torch.Tensor  # [S] int64 host: prompt token of each segment's last token
+    of_token: torch.Tensor  # [n] int64 host: segment of each prompt token; S: header, query
+    fixed: torch.Tensor  # [n] bool host: header and query (always computed)
+    rows: torch.Tensor  # [Rm] int64 device: slot row of every segment token, prompt order
+    owner: torch.Tensor  # [Rm] int64 device: its segment
+    end: int  # slot row after the last segment token
+
+    @staticmethod
+    def build(lay: PromptLayout, row0: int, device: torch.device) -> SegmentIndex:
+        spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)  # [S, 2]
+        start, n = spans.unbind(1)
+        s = len(spans)
+        owner = torch.repeat_interleave(torch.arange(s), n)  # [Rm]
+        token = start[owner] + torch.arange(len(owner)) - (n.cumsum(0) - n)[owner]
+        of_token = torch.full((lay.n,), s, dtype=torch.int64)
+        of_token[token] = owner
+        rows, owner = to_device_as_one([row0 + token, owner], device)
+        end = row0 + int(token.max()) + 1 if s else row0
+        return SegmentIndex(s, start + n - 1, of_token, fixed_mask(lay), rows, owner, end)
+
+
+def fixed_mask(lay: PromptLayout) -> torch.Tensor:
+    """[n] bool host: the header and the query (`lay.fixed()`)."""
+    out = torch.ones(lay.n, dtype=torch.bool)
+    out[lay.header : lay.query_start] = False
+    return out
+
+
+def token_mask(n: int, tokens: torch.Tensor) -> torch.Tensor:
+    """Prompt token indices [m] -> [n] bool host."""
+    out = torch.zeros(n, dtype=torch.bool)
+    out[tokens] = True
+    return out
+
+
 @torch.no_grad()
-def attention_mass(view: LayerView, src: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+def attention_mass(view: LayerView, src: torch.Tensor, segs: SegmentIndex) -> torch.Tensor:
     """Attention (softmax over every row a token reads, mean over heads) from the step
-    rows `src` to each span of prompt tokens -> [len(src), len(spans)] fp32."""
+    rows `src` ([m] int64 host) to each segment -> [m, S] fp32 on the device."""
     arena, i = view.arena, view.layer
-    q = view.q[src].float()  # [m, Hq, D]
-    span_end = view.row0 + max(a + n for a, n in spans)
-    reach = max(span_end, *(view.kv_len[j] for j in src))  # rows past a token's own: masked
+    lens_host = view.kv_len[src]
+    src_d, lens = to_device_as_one([src, lens_host], view.q.device)
+    q = view.q.index_select(0, src_d).float()  # [m, Hq, D]
+    reach = max(segs.end, int(lens_host.max()))  # rows past a token's own: masked
     k = arena.k[i, view.slot, :reach].float()  # [R, Hkv, D]
     m, hq, d = q.shape
     hkv = k.shape[1]
     scores = torch.einsum("mhgd,rhd->mhgr", q.view(m, hkv, hq // hkv, d), k) * d**-0.5
-    lens = torch.tensor([view.kv_len[j] for j in src], device=q.device)
     mask = torch.arange(reach, device=q.device)[None, :] >= lens[:, None]  # [m, R]
     probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).mean((1, 2))
-    rows = [view.row0 + a + j for a, n in spans for j in range(n)]
-    owner = [s for s, (_, n) in enumerate(spans) for _ in range(n)]
-    out = torch.zeros(m, len(spans), device=q.device)
-    idx = torch.tensor(rows, device=q.device)
-    return out.index_add_(1, torch.tensor(owner, device=q.device), probs.index_select(1, idx))
+    out = torch.zeros(m, segs.count, device=q.device)
+    return out.index_add_(1, segs.owner, probs.index_select(1, segs.rows))
 
 
 class KeepSelector:
     def __init__(self, cfg: KeepConfig, num_layers: int):
         self.cfg, self.num_layers = cfg, num_layers
+        self.segs: tuple[PromptLayout, SegmentIndex] | None = None  # of the last prompt
 
-    def initial(self, lay: PromptLayout) -> set[int]:
-        return set(range(lay.n))
+    def initial(self, lay: PromptLayout) -> torch.Tensor:
+        return torch.ones(lay.n, dtype=torch.bool)
 
-    def next(self, view: LayerView, lay: PromptLayout) -> set[int]:
-        spans = lay.segments()
-        have = set(view.tokens)
-        cand = [s for s, (a, n) in enumerate(spans) if all(t in have for t in range(a, a + n))]
+    def next(self, view: LayerView, lay: PromptLayout) -> torch.Tensor:
+        segs = self.index(view, lay)
+        whole = torch.ones(segs.count + 1, dtype=torch.bool)  # the last: header and query
+        whole[segs.of_token[~token_mask(lay.n, view.tokens)]] = False
+        cand = whole[:-1].nonzero().view(-1)  # [C] segments computed at this layer
         r = self.cfg.ratio(view.layer + 1, self.num_layers)
-        k = min(len(cand), math.ceil(r * len(spans) - 1e-9))
-        if k == len(cand):
-            chosen = set(cand)
-        else:
-            chosen = self._multi_hop(view, lay, spans, cand, k) if k else set()
-        keep = set(lay.fixed())
-        for s in chosen:
-            keep |= set(range(spans[s][0], spans[s][0] + spans[s][1]))
-        return keep
+        k = min(len(cand), math.ceil(r * segs.count - 1e-9))
+        if k < len(cand):
+            cand = cand[self._multi_hop(view, lay, segs, cand, k)] if k else cand[:0]
+        chosen = torch.zeros(segs.count + 1, dtype=torch.bool)
+        chosen[cand] = True
+        return segs.fixed | chosen[segs.of_token]
 
-    def _multi_hop(self, view, lay, spans, cand: list[int], k: int) -> set[int]:
-        """Query attention, then hops: what the set attends to adds to the score. A
-        segment attends through its last token (it has read the whole segment); the
-        query rows and every candidate's last token are scored in one pass per layer."""
-        row = {t: j for j, t in enumerate(view.tokens)}
-        cs = [spans[s] for s in cand]
-        query = [row[t] for t in range(lay.query_start, lay.n)]
-        last = [row[a + n - 1] for a, n in cs] if self.cfg.hops else []
-        mass = attention_mass(view, query + last, cs).cpu()  # [len(query) + C, C]
+    def index(self, view: LayerView, lay: PromptLayout) -> SegmentIndex:
+        if self.segs is None or self.segs[0] is not lay:
+            self.segs = lay, SegmentIndex.build(lay, view.row0, view.q.device)
+        return self.segs[1]
+
+    def _multi_hop(self, view: LayerView, lay: PromptLayout, segs: SegmentIndex,
+                   cand: torch.Tensor, k: int) -> torch.Tensor:  # fmt: skip
+        """-> the k chosen, as ascending indices into cand ([k] int64 host).
+
+        Query attention, then hops: what the set attends to adds to the score. A segment
+        attends through its last token (it has read the whole segment); the query rows
+        and every candidate's last token are scored in one pass per layer. The hops run
+        on the device without a stability test (a stable set stays stable), so the layer
+        syncs once, for the answer."""
+        query = torch.searchsorted(view.tokens, torch.arange(lay.query_start, lay.n))
+        last = torch.searchsorted(view.tokens, segs.last[cand]) if self.cfg.hops else query[:0]
+        mass = attention_mass(view, torch.cat([query, last]), segs)  # [len(query) + C, S]
+        mass = mass.index_select(1, to_device(cand, mass.device))  # [len(query) + C, C]
         q_mass, rows = mass[: len(query)].mean(0), mass[len(query) :]
         chosen = _top(q_mass, k)
         for _ in range(self.cfg.hops):
-            new = _top(q_mass + rows[sorted(chosen)].mean(0), k)
-            if new == chosen:
-                break
-            chosen = new
-        return {cand[c] for c in chosen}
+            chosen = _top(q_mass + rows.index_select(0, chosen).mean(0), k)
+        return chosen.cpu()
 
 
-def _top(score: torch.Tensor, k: int) -> set[int]:
-    # stable on ties: the earlier segment first
-    return set(torch.sort(-score.float(), stable=True).indices[:k].tolist())
+def _top(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best, as ascending indices ([k] int64, score's device); stable on ties: the
+    earlier segment first."""
+    return torch.sort(-score.float(), stable=True).indices[:k].sort().values
 
 
 class CacheBlendSelector:
@@ -128,30 +177,26 @@ class CacheBlendSelector:
             raise ValueError(f"ratio={ratio} must be in [0, 1]")
         self.ratio = ratio
 
-    def initial(self, lay: PromptLayout) -> set[int]:
-        return set(range(lay.n))
+    def initial(self, lay: PromptLayout) -> torch.Tensor:
+        return torch.ones(lay.n, dtype=torch.bool)
 
     @torch.no_grad()
-    def next(self, view: LayerView, lay: PromptLayout) -> set[int]:
-        if view.layer > 0:
-            return set(view.tokens)
-        row = {t: j for j, t in enumerate(view.tokens)}
+    def next(self, view: LayerView, lay: PromptLayout) -> torch.Tensor:
+        keep = token_mask(lay.n, view.tokens)
+        img = view.image
+        if view.layer > 0 or img is None:
+            return keep
+        toks = img.slot_row - view.row0  # [R] prompt tokens with a cached row, image order
+        where = to_device(torch.searchsorted(view.tokens, toks), view.hidden.device)
         layer = view.backbone.layers[1]
-        toks, cached = [], []
-        for p in lay.placed:
-            if p.block is not None:
-                toks += range(p.start, p.start + p.n)
-                cached.append(p.block.v[1])
-        if not toks:
-            return set(view.tokens)
-        h = view.hidden[torch.tensor([row[t] for t in toks], device=view.hidden.device)]
-        _, _, v = layer.self_attn.qkv(layer.input_layernorm(h))  # [m, Hkv, D]
-        old = torch.cat(cached).to(v.device)
+        _, _, v = layer.self_attn.qkv(layer.input_layernorm(view.hidden.index_select(0, where)))
+        old = to_device(img.v[1], v.device)  # [R, Hkv, D]
         d = (v.float() - old.float()).flatten(1).norm(dim=-1)
         k = math.ceil(self.ratio * len(toks) - 1e-9)
-        top = {toks[j] for j in torch.topk(d, k).indices.tolist()} if k else set()
-        memory = set(toks)
-        return {t for t in view.tokens if t not in memory} | top
+        keep[toks] = False
+        if k:
+            keep[toks[torch.topk(d, k).indices.cpu()]] = True
+        return keep
 
 
 class FixedSelector:
@@ -160,8 +205,8 @@ class FixedSelector:
     def __init__(self, everything: bool = False):
         self.everything = everything
 
-    def initial(self, lay: PromptLayout) -> set[int]:
-        return set(range(lay.n)) if self.everything else set(lay.fixed())
+    def initial(self, lay: PromptLayout) -> torch.Tensor:
+        return torch.ones(lay.n, dtype=torch.bool) if self.everything else fixed_mask(lay)
 
-    def next(self, view: LayerView, lay: PromptLayout) -> set[int]:
-        return set(view.tokens)
+    def next(self, view: LayerView, lay: PromptLayout) -> torch.Tensor:
+        return token_mask(lay.n, view.tokens)

@@ -2,7 +2,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
+from embodied_kv.kv.memory_kv import rerotate
 from embodied_kv.model.vla import build_model
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, world_config
@@ -14,3 +16,29 @@ def world_model():
     with tempfile.TemporaryDirectory() as tmp:
         tok = save_tokenizer(Path(tmp) / TOKENIZER_FILE)
         return build_model(world_config(), tokenizer_path=str(tok))
+
+
+class PerSegmentLoader:
+    """The loader before the packed image (the exactness reference): every copy is one
+    segment of one layer, K and V apart, straight from its block; keys re-rotated in the
+    slot before the layer computes. Takes LayerLoader's arguments."""
+
+    def __init__(self, arena, slot, rope, sources, schedule, image=None):
+        self.arena, self.slot, self.rope = arena, slot, rope
+        self.sources, self.schedule = sources, schedule
+        self.pending: dict[int, list[int]] = {}  # layer -> units copied, not yet rotated
+
+    def issue(self, i, active):
+        for c in self.schedule.issue(i, active):
+            s = self.sources[c.unit]
+            dst, src = slice(s.slot_row, s.slot_row + s.n), slice(s.block_row, s.block_row + s.n)
+            self.arena.k[c.layer, self.slot, dst].copy_(s.block.k[c.layer, src])
+            self.arena.v[c.layer, self.slot, dst].copy_(s.block.v[c.layer, src])
+            self.pending.setdefault(c.layer, []).append(c.unit)
+
+    def wait(self, i):
+        k = self.arena.k[i, self.slot]  # [T, Hkv, D]
+        for u in self.pending.pop(i, []):
+            s = self.sources[u]
+            rows = slice(s.slot_row, s.slot_row + s.n)
+            k[rows] = rerotate(self.rope, k[rows], torch.full((s.n,), s.delta))

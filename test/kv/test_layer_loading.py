@@ -9,6 +9,8 @@ from embodied_kv.kv.layer_loading import Copy, LayerLoader, LoadSchedule, Source
 from embodied_kv.kv.memory import KVBlock
 from embodied_kv.kv.memory_kv import rerotate
 
+from .conftest import PerSegmentLoader
+
 
 def drive(schedule: LoadSchedule, active: list[set[int]]) -> list[list[Copy]]:
     return [schedule.issue(i, a) for i, a in enumerate(active)]
@@ -96,3 +98,64 @@ def test_the_cpu_loader_places_rerotated_rows(world_model):
             src = block.k[i, s.block_row : s.block_row + s.n]
             assert torch.equal(arena.k[i, slot, rows], rerotate(rope, src, torch.full((s.n,), 7)))
             assert torch.equal(arena.v[i, slot, rows], block.v[i, s.block_row : s.block_row + s.n])
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_packed_loader_writes_the_bytes_of_per_segment_copies(world_model, seed):
+    """Blocks of one to three segments (some placed from their second segment on), gaps
+    (units without a block), deltas of both signs, shrinking active sets, with and
+    without overlap or preloads: after every layer's wait the slot holds exactly what the
+    per-segment copies of the reference loader (conftest.py) put in another slot."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    spec = world_model.new_arena(1, 64).spec
+    L, hkv, d = spec.num_layers, spec.kv_heads, spec.head_dim
+    sources, row = [], 3
+    for _ in range(rng.randint(1, 4)):
+        spans = [rng.randint(1, 5) for _ in range(rng.randint(1, 3))]
+        kv = [torch.randn(L, sum(spans), hkv, d, generator=g) for _ in range(2)]
+        block = KVBlock(*kv, rng.randint(0, 20), tuple(zip(
+            [sum(spans[:j]) for j in range(len(spans))], spans, strict=True)))  # fmt: skip
+        row += rng.randint(0, 3)  # a unit without a block (or the header) before it
+        skip = rng.random() < 0.3 and len(spans) > 1
+        for brow, n in block.spans[skip:]:
+            sources.append(Source(block, brow, row, n, rng.randint(-30, 30)))
+            row += n
+    units = range(len(sources))
+    first = rng.choice([set(units), set(), set(rng.sample(units, len(units) // 2))])
+    budget = rng.choice([0, 3 * sum(s.n for s in sources)])  # large: preloads dropped units
+    same_as_per_segment(world_model, sources, shrinking(rng, len(sources), L, first), budget,
+                        overlap=rng.random() < 0.7)  # fmt: skip
+
+
+def test_scattered_units_of_one_layer_are_one_copy_of_their_range(world_model):
+    """Preloads of dropped units 1 and 3 (0 and 2 still computed): one layer's copy
+    reads rows of units 0..3 of the image and writes those of 1 and 3 alone."""
+    spec = world_model.new_arena(1, 64).spec
+    L, hkv, d = spec.num_layers, spec.kv_heads, spec.head_dim
+    g = torch.Generator().manual_seed(3)
+    block = KVBlock(torch.randn(L, 8, hkv, d, generator=g), torch.randn(L, 8, hkv, d, generator=g),
+                    2, ((0, 2), (2, 2), (4, 2), (6, 2)))  # fmt: skip
+    sources = [Source(block, 2 * u, 4 + 2 * u, 2, 5 - 3 * u) for u in range(4)]
+    active = [{0, 1, 2, 3}, {0, 2}] + [set()] * (L - 2)
+    copies = same_as_per_segment(world_model, sources, active, budget=100, overlap=True)
+    assert {(c.layer, c.unit) for c in copies[1]} >= {(3, 1), (3, 3)}
+    assert (3, 0) not in {(c.layer, c.unit) for c in copies[1]}
+
+
+def same_as_per_segment(model, sources, active, budget, overlap) -> list[list[Copy]]:
+    arena = model.new_arena(2, 128)
+    a, b = arena.allocate(), arena.allocate()
+    L, rope, rows = arena.spec.num_layers, model.backbone.rope, [s.n for s in sources]
+    packed = LayerLoader(arena, a, rope, sources, LoadSchedule(L, rows, budget, overlap))
+    ref = PerSegmentLoader(arena, b, rope, sources, LoadSchedule(L, rows, budget, overlap))
+    for i in range(L):
+        packed.issue(i, active[i])
+        ref.issue(i, active[i])
+        assert torch.equal(arena.v[:, a], arena.v[:, b])  # no row of an unscheduled copy
+        packed.wait(i)
+        ref.wait(i)  # keys re-rotated: ref's at the wait, the packed loader's as they land
+        assert torch.equal(arena.k[i, a], arena.k[i, b])
+    assert torch.equal(arena.k[:, a], arena.k[:, b]) and torch.equal(arena.v[:, a], arena.v[:, b])
+    assert packed.schedule.points == ref.schedule.points
+    return packed.schedule.points

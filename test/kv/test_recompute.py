@@ -4,11 +4,14 @@ baselines, against full recomputation over the same token ids."""
 import pytest
 import torch
 
+from embodied_kv.kv import recompute
 from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory
 from embodied_kv.kv.memory_kv import compute_block, encode, layout, rerotate
 from embodied_kv.kv.memory_methods import FullRecompute, PrefixCaching, Selective, keep, methods
 from embodied_kv.kv.selectors import CacheBlendSelector, FixedSelector, KeepConfig
 from embodied_kv.model.vla import StepInput
+
+from .conftest import PerSegmentLoader
 
 FACTS = ["the red box is on the shelf .", "the blue key is in the red box .",
          "the green bowl is on the table .", "the red box is open .",
@@ -110,27 +113,58 @@ def test_multi_hop_selection_is_a_fixed_point_and_one_hop_is_the_query_alone(wor
     seen = {}
 
     class Spy(selectors.KeepSelector):
-        def _multi_hop(self, view, lay, spans, cand, k):
-            chosen = super()._multi_hop(view, lay, spans, cand, k)
-            seen.setdefault(self.cfg.hops, []).append((view, cand, k, chosen))
+        def _multi_hop(self, view, lay, segs, cand, k):
+            chosen = super()._multi_hop(view, lay, segs, cand, k)
+            picked = set(cand[chosen].tolist())
+            seen.setdefault(self.cfg.hops, []).append((view, segs, cand.tolist(), k, picked))
             return chosen
 
     for hops in (0, 50):
         rig.run(Selective(f"h{hops}", True, lambda n, h=hops: Spy(KeepConfig(hops=h), n)), lay)
-    for view, cand, k, chosen in seen[50]:
-        row = {t: j for j, t in enumerate(view.tokens)}
+    for view, segs, cand, k, chosen in seen[50]:
+        row = {t: j for j, t in enumerate(view.tokens.tolist())}
         query = [row[t] for t in range(lay.query_start, lay.n)]
         cs = [lay.segments()[c] for c in cand]
         last = [row[a + n - 1] for a, n in cs]  # every candidate's last token, one pass
-        mass = selectors.attention_mass(view, query + last, cs)
+        mass = selectors.attention_mass(view, torch.tensor(query + last), segs)[:, cand]
+        assert torch.equal(mass, attention_mass_per_span(view, query + last, cs))
         mine = [j for j in range(len(cand)) if cand[j] in chosen]
         score = mass[: len(query)].mean(0) + mass[len(query) :][mine].mean(0)
-        assert {cand[j] for j in selectors._top(score, k)} == chosen  # stable under re-scoring
-    for view, cand, k, chosen in seen[0]:
-        row = {t: j for j, t in enumerate(view.tokens)}
-        query = [row[t] for t in range(lay.query_start, lay.n)]
-        q_mass = selectors.attention_mass(view, query, [lay.segments()[c] for c in cand]).mean(0)
-        assert {cand[j] for j in selectors._top(q_mass, k)} == chosen
+        assert {cand[j] for j in selectors._top(score, k).tolist()} == chosen  # stable
+    for view, segs, cand, k, chosen in seen[0]:
+        row = {t: j for j, t in enumerate(view.tokens.tolist())}
+        query = torch.tensor([row[t] for t in range(lay.query_start, lay.n)])
+        q_mass = selectors.attention_mass(view, query, segs)[:, cand].mean(0)
+        assert {cand[j] for j in selectors._top(q_mass, k).tolist()} == chosen
+
+
+def attention_mass_per_span(view, src: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """selectors.attention_mass as it was, one span at a time (the exactness reference)."""
+    q = view.q[src].float()
+    reach = max(view.row0 + max(a + n for a, n in spans), *(int(view.kv_len[j]) for j in src))
+    k = view.arena.k[view.layer, view.slot, :reach].float()
+    m, hq, d = q.shape
+    scores = torch.einsum("mhgd,rhd->mhgr", q.view(m, k.shape[1], -1, d), k) * d**-0.5
+    lens = view.kv_len[src]
+    mask = torch.arange(reach)[None, :] >= lens[:, None]
+    probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).mean((1, 2))
+    rows = torch.tensor([view.row0 + a + j for a, n in spans for j in range(n)])
+    owner = torch.tensor([s for s, (_, n) in enumerate(spans) for _ in range(n)])
+    return torch.zeros(m, len(spans)).index_add_(1, owner, probs.index_select(1, rows))
+
+
+@pytest.mark.parametrize("name", ["reuse", "cacheblend", "keep", "keep-one-hop", "keep-no-balance"])
+def test_the_packed_loader_gives_the_bytes_of_per_segment_copies(world_model, monkeypatch, name):
+    """The whole selective prefill with the packed loader and with the per-segment
+    reference loader (conftest.py): the same logits, K and V, byte for byte."""
+    rig = Rig(world_model)
+    lay = rig.layout()
+    method = next(m for m in methods(rig.cache) if m.name == name)
+    got = rig.run(method, lay)
+    monkeypatch.setattr(recompute, "LayerLoader", PerSegmentLoader)
+    want = rig.run(method, lay)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
 
 
 def test_full_reuse_computes_only_header_and_query_and_cacheblend_a_share(world_model):
