@@ -16,11 +16,12 @@ static groups as joint blocks (KEEP) or one block per segment (chunk caches).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from embodied_kv.kv.arena import KVArena
+from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.recompute import PrefillStats, selective_prefill
 from embodied_kv.kv.selectors import CacheBlendSelector, FixedSelector, KeepConfig, KeepSelector
@@ -85,11 +86,13 @@ class Selective:
     overlap: bool = True
     cached: bool = True
     stats: PrefillStats | None = None
+    images: ImageCache = field(default_factory=ImageCache)  # its last request's host image
 
     def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
         selector = self.make_selector(len(model.backbone.layers))
-        logits, self.stats = selective_prefill(model, arena, slot, lay, selector, self.overlap)
+        logits, self.stats = selective_prefill(model, arena, slot, lay, selector, self.overlap,
+                                               self.images)  # fmt: skip
         return logits
 
 

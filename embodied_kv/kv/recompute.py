@@ -27,7 +27,7 @@ import torch
 
 from embodied_kv.kernels.packed_attention import bucket
 from embodied_kv.kv.arena import KVArena
-from embodied_kv.kv.host_image import HostImage, Source, pack
+from embodied_kv.kv.host_image import HostImage, ImageCache, Source, pack
 from embodied_kv.kv.layer_loading import LayerLoader, LoadSchedule
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.step import PackedStep, Segment, logit_rows, plan_step, to_device_as_one
@@ -73,8 +73,10 @@ def selective_prefill(
     lay: PromptLayout,
     selector: Selector,
     overlap: bool = True,
+    images: ImageCache | None = None,
 ) -> tuple[torch.Tensor, PrefillStats]:
-    """Append `lay` to `slot` -> (logits [V] after its last token, stats)."""
+    """Append `lay` to `slot` -> (logits [V] after its last token, stats). `images`: the
+    caller's image of its previous request, updated instead of packed anew."""
     backbone = model.backbone
     n, num_layers = lay.n, len(backbone.layers)
     plan = plan_step(arena, [Segment(slot, n, causal=True)])
@@ -82,9 +84,25 @@ def selective_prefill(
     row0 = int(arena.length[0, slot])
     pos0 = int(arena.next_pos[slot])
     sources = _sources(lay, row0, pos0)
-    image = pack(sources, backbone.rope, arena.device)
-    schedule = LoadSchedule(num_layers, [s.n for s in sources], overlap=overlap)
-    loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image)
+    image = (images.pack if images else pack)(sources, backbone.rope, arena.device)
+    try:
+        schedule = LoadSchedule(num_layers, [s.n for s in sources], overlap=overlap)
+        loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image)
+        logits, stats = _layers(model, arena, slot, lay, selector, plan, x, loader, image)
+    finally:
+        if images:
+            images.fence(arena.device)  # after every read of the image was issued
+    return logits, stats
+
+
+def _layers(model: VLA, arena: KVArena, slot: int, lay: PromptLayout, selector: Selector,
+            plan: PackedStep, x: torch.Tensor, loader: LayerLoader,
+            image: HostImage | None) -> tuple[torch.Tensor, PrefillStats]:  # fmt: skip
+    """The layer loop: compute the active tokens, load the rest, narrow with depth."""
+    backbone = model.backbone
+    n, num_layers = lay.n, len(backbone.layers)
+    row0 = int(arena.length[0, slot])
+    schedule = loader.schedule
     image_token = image.slot_row - row0 if image is not None else None  # [R] host
     active = selector.initial(lay)  # [n] bool host: the rows of x and of `step`
     step = plan
@@ -95,7 +113,7 @@ def selective_prefill(
     stats = PrefillStats([], [])
     for i in range(num_layers):
         loader.issue(i, _computed_units(image, image_token, active))
-        stats.copied_rows.append(sum(sources[c.unit].n for c in schedule.points[-1]))
+        stats.copied_rows.append(sum(schedule.rows[c.unit] for c in schedule.points[-1]))
         loader.wait(i)
         stats.active.append(len(tokens))
         x, q = backbone.layer_forward(i, x, cos_sin, step, arena)

@@ -208,3 +208,59 @@ def test_every_method_fills_the_same_rows_and_the_family_is_complete(world_model
         names.append(m.name)
     assert names == ["full", "prefix", "reuse", "cacheblend", "keep", "keep-no-static",
                      "keep-one-hop", "keep-no-balance"]  # fmt: skip
+
+
+def test_the_image_cache_rewrites_only_changed_blocks_and_keeps_every_byte(world_model):
+    """A method keeps its last request's host image and copies in only the blocks an
+    update replaced; every request's logits and KV equal those of a fresh pack."""
+    rig = Rig(world_model)
+    cached = keep()
+    written = []
+    for i, text in enumerate(["the green bowl is open .", "the green bowl is closed .",
+                              "the green bowl is open .", "the red box is on the table .",
+                              "the red box is on the big shelf ."]):  # fmt: skip
+        key = "f0" if "red box" in text else "f5"
+        rig.memory.apply(MemoryOp.UPDATE, key, text, 65 + i)
+        rig.refresh()
+        lay = rig.layout()
+        got = rig.run(cached, lay)
+        want = rig.run(keep(), lay)  # a new method: its image packed from the blocks
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x, y)
+        written.append(cached.images.written_rows)
+    total = cached.images.k.shape[1]
+    rows_f5 = len(encode(world_model, " the green bowl is open ."))
+    assert rows_f5 in written[1:3]  # same shape after an open/closed flip: one segment
+    assert written[-1] == total  # a longer fact shifts every row after it: packed anew
+    assert min(written) < total / 3
+
+
+def test_the_image_cache_never_writes_into_a_block():
+    from embodied_kv.kv.host_image import ImageCache, Source, pack
+    from embodied_kv.kv.memory import KVBlock
+    from embodied_kv.model.layers import Rope
+
+    rope = Rope(8, 64, 1e4)
+    rope.reset_tables()
+    g = torch.Generator().manual_seed(0)
+
+    def block(n):
+        return KVBlock(torch.randn(2, n, 1, 8, generator=g), torch.randn(2, n, 1, 8, generator=g),
+                       3, ((0, n),))  # fmt: skip
+
+    a, b, c = block(4), block(3), block(3)
+    cache = ImageCache()
+    for blocks in ([a], [a, b], [a, c], [c, a]):
+        before = [(x.k.clone(), x.v.clone()) for x in blocks]
+        sources, row = [], 10
+        for x in blocks:
+            sources.append(Source(x, 0, row, x.rows, 2))
+            row += x.rows
+        got, want = cache.pack(sources, rope, torch.device("cpu")), pack(
+            sources, rope, torch.device("cpu"))  # fmt: skip
+        for name in ("k", "v", "unit", "slot_row", "cos", "sin"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.start == want.start
+        assert got.k.data_ptr() not in {x.k.data_ptr() for x in blocks}
+        for x, (k, v) in zip(blocks, before, strict=True):
+            assert torch.equal(x.k, k) and torch.equal(x.v, v)
