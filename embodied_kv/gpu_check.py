@@ -3,7 +3,8 @@
     1. without CUDA: one line saying so, exit 2;
     2. the whole test suite (the graph replay tests then run in "cuda" mode too; the ROS
        tests skip, each with its reason, where rclpy is not installed);
-    3. `bench step`, `bench oxygen`, `bench capsule` at --preset pi05 --device cuda.
+    3. `bench latency`, `step`, `oxygen`, `capsule`, `keep` at --preset pi05 --device cuda
+       (keep: random pi05 weights, TTFT only).
 
 Everything lands in bench/results/<date>-<gpu>/: env.json (device, driver, CUDA, torch,
 triton, Python, date, commit), pytest.txt, <bench>.json and <bench>.txt, summary.json
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("latency", "step", "oxygen", "capsule")
+BENCHES = ("latency", "step", "oxygen", "capsule", "keep")
 # module -> PyPI name: what the tests and benchmarks import besides torch (no ROS)
 REQUIRED = {
     "numpy": "numpy",

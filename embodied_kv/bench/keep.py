@@ -56,6 +56,15 @@ WARM_UPDATES = 12  # > the window t = 10: groups the updates spare are static at
 ACCURACY_POINTS = 3.0  # acceptance: KEEP's two-hop within this many points of full
 
 
+def default_weights(preset: str, given: str | None) -> str:
+    """The weights a run uses: the given file ('' = random), else the shipped world
+    model for the world-sized preset (`tiny`) and random weights for `pi05` (the shipped
+    file is a world model: `--preset pi05` means pi05's shapes)."""
+    if given is not None:
+        return given
+    return str(SHIPPED) if preset == "tiny" and SHIPPED.is_file() else ""
+
+
 def load(args) -> tuple:
     """-> (model, what the weights are)."""
     if args.weights:
@@ -234,9 +243,10 @@ def verdict(rows: list[dict], trained: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embodied-kv bench keep", description=__doc__.split("\n")[0])
     harness.add_common_args(p)
-    p.add_argument("--weights", default=str(SHIPPED) if SHIPPED.is_file() else "",
+    p.add_argument("--weights", default=None,
                    help="trained world weights (tokenizer.json beside); default: the shipped "
-                   "ones when present, else random weights (speed only)")  # fmt: skip
+                   "ones at --preset tiny when present, else random weights (speed only; "
+                   "'' forces them)")  # fmt: skip
     p.add_argument("--segments", default=",".join(map(str, SEGMENTS)))
     p.add_argument("--requests", type=int, default=100,
                    help="plan requests per segment count (half one-hop, half two-hop)")
@@ -244,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=10, help="KEEP t")
     p.add_argument("--seed", type=int, default=0)
     args = harness.parse(p, argv)
+    args.weights = default_weights(args.preset, args.weights)
     if args.quick:
         args.requests = min(args.requests, 16)  # 8 two-hop queries per size: < 60 s here
     env = harness.Environment.start(args, argv)

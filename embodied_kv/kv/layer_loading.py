@@ -30,6 +30,7 @@ exercise this path).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +103,11 @@ class LayerLoader:
     `image`: the sources packed (`pack`), when the caller already has it."""
 
     def __init__(self, arena: KVArena, slot: int, rope: Rope, sources: list[Source],
-                 schedule: LoadSchedule, image: HostImage | None = None):  # fmt: skip
+                 schedule: LoadSchedule, image: HostImage | None = None,
+                 stage: bool | None = None):  # fmt: skip
+        """`stage`: copy each range into a device staging buffer before the gather (the
+        CUDA path; default: on CUDA only). On the CPU it runs the same copies in line,
+        so the tests exercise the CUDA path's indexing."""
         self.arena, self.slot, self.rope, self.schedule = arena, slot, rope, schedule
         self.image = image if image is not None or not sources else pack(
             sources, rope, arena.device)  # fmt: skip
@@ -110,8 +115,9 @@ class LayerLoader:
         self.stream = torch.cuda.Stream(arena.device) if self.cuda else None
         self.events: dict[int, torch.cuda.Event] = {}  # layer -> after its last copy
         self.staging: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.cuda and self.image is not None:  # one layer of the image, K and V
-            with torch.cuda.stream(self.stream):  # allocated for (and freed by) the stream
+        if (self.cuda if stage is None else stage) and self.image is not None:
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                # one layer of the image, K and V; on CUDA owned by the copy stream
                 shape, dtype = self.image.k.shape[1:], self.image.k.dtype
                 self.staging = tuple(torch.empty(shape, dtype=dtype, device=arena.device)
                                      for _ in range(2))  # fmt: skip

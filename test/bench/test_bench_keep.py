@@ -74,3 +74,13 @@ def test_the_arena_holds_the_memory_in_a_byte_tokenizer_s_ids():
     raw = run_segments(model, 10, args, "cpu")
     assert set(raw["methods"]) == set(METHODS)
     assert all(len(s["ttft"]) == 2 for s in raw["methods"].values())
+
+
+def test_preset_pi05_means_pi05_shapes_not_the_shipped_world_model():
+    """gpu-check runs `bench keep --preset pi05 --device cuda`: random pi05 weights (TTFT at
+    pi05's shapes), never the shipped world model the tiny preset defaults to."""
+    from embodied_kv.bench.keep import SHIPPED, default_weights
+
+    assert default_weights("pi05", None) == ""
+    assert default_weights("tiny", None) == (str(SHIPPED) if SHIPPED.is_file() else "")
+    assert default_weights("tiny", "") == "" and default_weights("pi05", "w.st") == "w.st"
