@@ -66,7 +66,7 @@ class TrainConfig:
     # file's embedding is kept).
     embed_std: float = 0.0
     # one run in several calls (train/resume.py): `resume` continues the run saved in
-    # `out` (weights + train_state.safetensors) with the same config; `until` ends this
+    # `out` (train_state.safetensors) with the same config; `until` ends this
     # call before that step, `stop_after` after that many wall-clock minutes; neither
     # changes the learning-rate schedule, which follows `steps` (or `minutes`)
     resume: bool = False

@@ -23,8 +23,9 @@ from embodied_kv.model.weights import assign_state, atomic_save
 STATE_FILE = "train_state.safetensors"
 STATE_FORMAT = "embodied_kv.train_state.v1"
 # fields a resumed call may change: where and how fast it runs, and when this call stops
-PER_CALL = ("out", "minutes", "until", "stop_after", "resume", "data_workers", "device",
-            "threads", "log_every", "ckpt_every")  # fmt: skip
+# (`steps` and `minutes` stay: they set the learning-rate schedule)
+PER_CALL = ("out", "until", "stop_after", "resume", "data_workers", "device", "threads",
+            "log_every", "ckpt_every")  # fmt: skip
 
 
 class ResumeError(ValueError):

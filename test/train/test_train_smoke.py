@@ -227,6 +227,12 @@ def test_a_saved_run_resumes_after_the_code_gains_an_option():
     assert config_changes(run_fingerprint(cfg), TrainConfig(steps=10, lr=1e-3)) == [
         "lr: saved 0.0003, now 0.001"
     ]
+    # the schedule's length is the run's; where and how a call runs is the call's
+    assert config_changes(run_fingerprint(cfg), TrainConfig(steps=10, lr=3e-4, minutes=5)) == [
+        "minutes: saved 0.0, now 5"
+    ]
+    assert config_changes(run_fingerprint(cfg), TrainConfig(
+        steps=10, lr=3e-4, threads=2, device="cuda", data_workers=4, until=3)) == []  # fmt: skip
     assert config_changes(json.dumps({**saved, "old": 1}), cfg) == [
         "old: saved 1, gone from the code"
     ]
