@@ -96,7 +96,8 @@ class ImageCache:
         self.written_rows = 0  # rows copied into the image by the last `pack` (a count)
 
     def pack(self, sources: list[Source], rope: Rope, device: torch.device) -> HostImage | None:
-        if not sources:
+        if not sources:  # an emptied memory (reset): let the old image and blocks go
+            self.pieces, self.k, self.v = [], None, None
             return None
         pieces = _pieces(sources)
         first = pieces[0][0].k

@@ -264,3 +264,5 @@ def test_the_image_cache_never_writes_into_a_block():
         assert got.k.data_ptr() not in {x.k.data_ptr() for x in blocks}
         for x, (k, v) in zip(blocks, before, strict=True):
             assert torch.equal(x.k, k) and torch.equal(x.v, v)
+    assert cache.pack([], rope, torch.device("cpu")) is None  # a reset memory
+    assert cache.k is None and cache.pieces == []  # holds no block any more
