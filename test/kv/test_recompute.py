@@ -1,6 +1,9 @@
 """Cached memory KV placed in a plan prompt: re-rotation, selective recomputation and the
 baselines, against full recomputation over the same token ids."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,7 +12,9 @@ from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory
 from embodied_kv.kv.memory_kv import compute_block, encode, layout, rerotate
 from embodied_kv.kv.memory_methods import FullRecompute, PrefixCaching, Selective, keep, methods
 from embodied_kv.kv.selectors import CacheBlendSelector, FixedSelector, KeepConfig
-from embodied_kv.model.vla import StepInput
+from embodied_kv.model.vla import StepInput, build_model
+from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.train.trained import TOKENIZER_FILE, world_config
 
 from .conftest import PerSegmentLoader
 
@@ -266,3 +271,27 @@ def test_the_image_cache_never_writes_into_a_block():
             assert torch.equal(x.k, k) and torch.equal(x.v, v)
     assert cache.pack([], rope, torch.device("cpu")) is None  # a reset memory
     assert cache.k is None and cache.pieces == []  # holds no block any more
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA loader needs a CUDA device")
+@pytest.mark.parametrize("name", ["keep", "keep-no-balance", "cacheblend", "reuse"])
+def test_on_cuda_the_staged_side_stream_loader_gives_the_reference_bytes(monkeypatch, name):
+    """The CUDA path itself (pinned image, one async range copy per layer and K/V into a
+    staging buffer on the copy stream, events, the image cache's fence) against the
+    per-segment reference loader on the same device, over a stream of updates."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = save_tokenizer(Path(tmp) / TOKENIZER_FILE)
+        model = build_model(world_config(), "cuda", tokenizer_path=str(tok))
+    rig = Rig(model)
+    method = next(m for m in methods(rig.cache) if m.name == name)
+    for i, text in enumerate(["the green bowl is open .", "the green bowl is closed .",
+                              "the red box is on the table ."]):  # fmt: skip
+        rig.memory.apply(MemoryOp.UPDATE, "f0" if "red box" in text else "f5", text, 65 + i)
+        rig.refresh()
+        lay = rig.layout()
+        got = rig.run(method, lay)
+        with monkeypatch.context() as m:
+            m.setattr(recompute, "LayerLoader", PerSegmentLoader)
+            want = rig.run(next(x for x in methods(rig.cache) if x.name == name), lay)
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x, y)
