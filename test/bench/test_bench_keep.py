@@ -70,7 +70,7 @@ def test_the_arena_holds_the_memory_in_a_byte_tokenizer_s_ids():
     (2026-11-23). A byte-id model (tiny) through every method at 10 segments."""
     model = build_model(get_preset("tiny"))
     assert model.cfg.tokenizer == "bytes" and fact_tokens(model) > 30
-    args = argparse.Namespace(seed=0, window=10, requests=2, updates=2)
+    args = argparse.Namespace(seed=0, window=10, requests=2, updates=2, graphs="auto")
     raw = run_segments(model, 10, args, "cpu")
     assert set(raw["methods"]) == set(METHODS)
     assert all(len(s["ttft"]) == 2 for s in raw["methods"].values())
@@ -84,3 +84,19 @@ def test_preset_pi05_means_pi05_shapes_not_the_shipped_world_model():
     assert default_weights("pi05", None) == ""
     assert default_weights("tiny", None) == (str(SHIPPED) if SHIPPED.is_file() else "")
     assert default_weights("tiny", "") == "" and default_weights("pi05", "w.st") == "w.st"
+
+
+def test_the_graphed_full_recomputation_row_is_exact(tmp_path):
+    """`full-graphs` (on CUDA by default) run through the graph code path on the CPU
+    (`--graphs emulate`): the tokens of eager full recomputation, the verdict compares
+    KEEP with the faster of the two."""
+    out = tmp_path / "keep.json"
+    argv = ["--quick", "--segments", "10", "--requests", "2", "--weights", "", "--graphs",
+            "emulate", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    rows = {row["method"]: row for row in r["rows"]}
+    assert list(rows) == [METHODS[0], "full-graphs", *METHODS[1:]]
+    assert rows["full-graphs"]["agree"] == 1.0 and rows["full-graphs"]["same_answer"] == 1.0
+    assert rows["full-graphs"]["compute_share"] == 1.0
+    assert "vs the faster full recomputation (graphs or eager)" in r["verdict"]
