@@ -24,7 +24,10 @@ def test_bench_latency_breakdown_json(tmp_path, capsys):
         assert all(v >= 0 for v in parts.values()), parts
         assert parts["vision"] > 0 and parts["vision"] <= parts["embed_prefix"]
         timed = sum(parts[k] for k in latency_breakdown.SUMMED)
-        assert 0 < timed <= r["graphs_ms"]["median"] * 1.5  # sanity: the same action
+        # the regions lie inside the action of the same runs (medians of each: a margin);
+        # not against the headline rounds, which another load on the machine may have sped
+        # or slowed (it failed 279 vs 117 ms x 1.5 beside a training run)
+        assert 0 < timed <= r["breakdown_action_ms"] * 1.25
         assert r["breakdown_action_ms"] > 0
     text = capsys.readouterr().out
     assert "host/other" in text and "embed_prefix" in text
