@@ -123,11 +123,15 @@ class ImageCache:
         self.pieces = pieces
         return _placed(sources, self.k, self.v, rope, device)
 
-    def fence(self, device: torch.device) -> None:
-        """After a prefill that read the image: the next `pack` waits for its copies."""
+    def fence(self, device: torch.device, copy_stream=None) -> None:
+        """After a prefill that read the image: the next `pack` waits for its copies (on
+        `copy_stream` too: a prefill that failed mid-way left some unwaited)."""
         if device.type == "cuda":
+            current = torch.cuda.current_stream(device)
+            if copy_stream is not None:
+                current.wait_stream(copy_stream)
             self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(device))
+            self.event.record(current)
 
 
 def _pieces(sources: list[Source]) -> list[list]:

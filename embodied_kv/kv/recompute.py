@@ -85,13 +85,13 @@ def selective_prefill(
     pos0 = int(arena.next_pos[slot])
     sources = _sources(lay, row0, pos0)
     image = (images.pack if images else pack)(sources, backbone.rope, arena.device)
+    schedule = LoadSchedule(num_layers, [s.n for s in sources], overlap=overlap)
+    loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image)
     try:
-        schedule = LoadSchedule(num_layers, [s.n for s in sources], overlap=overlap)
-        loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image)
         logits, stats = _layers(model, arena, slot, lay, selector, plan, x, loader, image)
     finally:
-        if images:
-            images.fence(arena.device)  # after every read of the image was issued
+        if images:  # after every read of the image, also when a layer failed mid-way
+            images.fence(arena.device, getattr(loader, "stream", None))
     return logits, stats
 
 
