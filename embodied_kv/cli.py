@@ -118,7 +118,7 @@ def run_train(args: argparse.Namespace) -> int:
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
             ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
-            resume=args.resume,
+            resume=args.resume, overwrite=args.overwrite,
             data=DataConfig(**{k: v for k, v in data.items() if v is not None}),
             **{k: v for k, v in given.items() if v is not None},
         )  # fmt: skip
@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "= width**-0.5, see `embodied-kv recall-probe`)")  # fmt: skip
     tr.add_argument("--resume", action="store_true",
                     help="continue the run saved in --out (same flags; train/resume.py)")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="start a new run in an --out that holds one (else refused)")
     tr.add_argument("--until", type=int,
                     help="end this call before this step (the schedule stays --steps')")
     tr.add_argument("--stop-after", type=float,

@@ -19,7 +19,13 @@ from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.losses import compute_losses
-from embodied_kv.train.resume import RunState, check_resumable, load_state, save_state
+from embodied_kv.train.resume import (
+    RunState,
+    check_fresh,
+    check_resumable,
+    load_state,
+    save_state,
+)
 from embodied_kv.train.samples import StepSamples
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
@@ -70,6 +76,7 @@ class TrainConfig:
     # call before that step, `stop_after` after that many wall-clock minutes; neither
     # changes the learning-rate schedule, which follows `steps` (or `minutes`)
     resume: bool = False
+    overwrite: bool = False  # a fresh run may replace the run saved in `out`
     until: int = 0
     stop_after: float = 0.0
     data: DataConfig = field(default_factory=DataConfig)
@@ -125,6 +132,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     """Run the training; returns the logged records (also in out/train_log.jsonl)."""
     torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
+    if cfg.resume:
+        check_resumable(out)  # before anything is written
+    elif not cfg.overwrite:
+        check_fresh(out)  # a forgotten --resume does not replace hours of a saved run
     out.mkdir(parents=True, exist_ok=True)
     tok_path = save_tokenizer(out / TOKENIZER_FILE)
     mcfg = world_config(cfg.preset, cfg.seed)
@@ -132,11 +143,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                          "patch": mcfg.vision.patch_size,
                          "horizon": mcfg.action_horizon})  # fmt: skip
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
-    if cfg.resume:
-        check_resumable(out)  # before anything is built; the weights come from the state
-    elif cfg.init:
+    if cfg.init and not cfg.resume:  # resumed: the weights come from the state
         load_weights(model, cfg.init)  # ValueError naming the mismatch: nothing trained
-    elif cfg.embed_std > 0:
+    elif cfg.embed_std > 0 and not cfg.resume:
         redraw_embedding(model, cfg.embed_std, cfg.seed)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

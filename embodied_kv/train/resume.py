@@ -24,8 +24,8 @@ STATE_FILE = "train_state.safetensors"
 STATE_FORMAT = "embodied_kv.train_state.v1"
 # fields a resumed call may change: where and how fast it runs, and when this call stops
 # (`steps` and `minutes` stay: they set the learning-rate schedule)
-PER_CALL = ("out", "until", "stop_after", "resume", "data_workers", "device", "threads",
-            "log_every", "ckpt_every")  # fmt: skip
+PER_CALL = ("out", "until", "stop_after", "resume", "overwrite", "data_workers", "device",
+            "threads", "log_every", "ckpt_every")  # fmt: skip
 
 
 class ResumeError(ValueError):
@@ -131,6 +131,19 @@ def check_resumable(out: Path) -> Path:
     if not path.is_file():
         raise ResumeError(f"nothing to resume in {out}: {STATE_FILE} does not exist")
     return path
+
+
+def check_fresh(out: Path) -> None:
+    """ResumeError when `out` holds a saved run (a fresh run would replace it)."""
+    path = out / STATE_FILE
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                step = (f.metadata() or {}).get("step", "?")
+        except Exception:  # an unreadable state is still somebody's run
+            step = "?"
+        raise ResumeError(f"{out} holds a saved run (step {step}): --resume continues it, "
+                          "--overwrite starts a new one there")  # fmt: skip
 
 
 def _optimizer_state(opt: torch.optim.Optimizer, tensors: dict, path: Path) -> dict:

@@ -184,6 +184,9 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     train(TrainConfig(out=str(out), until=1, **base), progress=False)
     weights = (out / WEIGHTS_FILE).read_bytes()
     state = (out / STATE_FILE).read_bytes()
+    with pytest.raises(ResumeError, match=r"holds a saved run \(step 1\): --resume"):
+        train(TrainConfig(out=str(out), **base), progress=False)  # a forgotten --resume
+    assert (out / STATE_FILE).read_bytes() == state
     with pytest.raises(ResumeError, match="another config"):
         train(TrainConfig(out=str(out), resume=True, **{**base, "batch": 3}), progress=False)
     (out / STATE_FILE).write_bytes(state[: len(state) // 2])  # a cut copy
@@ -201,6 +204,10 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     assert main(args) == 0 and "paused" not in capsys.readouterr().out
     with safe_open(str(out / STATE_FILE), framework="pt") as f:
         assert f.metadata()["step"] == "4"
+    assert main(args[:-1]) == 2 and "holds a saved run (step 4)" in capsys.readouterr().err
+    assert main([*args[:-1], "--overwrite", "--until", "1"]) == 0  # a new run in its place
+    with safe_open(str(out / STATE_FILE), framework="pt") as f:
+        assert f.metadata()["step"] == "1"
 
 
 def test_a_call_ends_at_until_or_stop_after_but_the_schedule_does_not():
