@@ -47,10 +47,6 @@ class HostImage:
     cos: torch.Tensor  # [R, 1, D] fp32 on the arena's device: re-rotation of each row
     sin: torch.Tensor  # [R, 1, D]
 
-    @property
-    def rows(self) -> int:
-        return self.start[-1]
-
     def rows_of(self, units: list[int]) -> tuple[int, int, torch.Tensor]:
         """-> (lo, hi, index): the image range [lo, hi) holding `units` and their rows in it
         ([r] int64 host, relative to lo, ascending)."""
@@ -69,8 +65,8 @@ def pack(sources: list[Source], rope: Rope, device: torch.device) -> HostImage |
         return None
     pieces = _pieces(sources)
     pin = device.type == "cuda"
-    k = _cat([b.k if (a, e) == (0, b.rows) else b.k[:, a:e] for b, a, e in pieces], pin)
-    v = _cat([b.v if (a, e) == (0, b.rows) else b.v[:, a:e] for b, a, e in pieces], pin)
+    k = _cat([b.k[:, a:e] for b, a, e in pieces], pin)  # a whole block: a view of it
+    v = _cat([b.v[:, a:e] for b, a, e in pieces], pin)
     return _placed(sources, k, v, rope, device)
 
 
@@ -84,8 +80,8 @@ class ImageCache:
     40 segments of 40 rows, bf16, one block new: 0.05 ms to copy its 0.7 MB where a
     ~30 MB repack took 2.3-2.8 ms on a 2-core EPYC; the rest of a request's 0.75 ms
     there is the rows' re-rotation tables, device work on CUDA); otherwise it is
-    packed anew. On CUDA the image is written only after the
-    previous request's copies from it are done (`fence`, recorded after its prefill).
+    packed anew. On CUDA the image is written only after the previous request's copies
+    from it are done (`fence`, recorded after its prefill).
     The cache holds the blocks it packed, so an object id is never reused under it."""
 
     def __init__(self):
