@@ -105,10 +105,6 @@ def load_state(
     if changes:
         raise ResumeError(f"{path}: written by a run with another config; resume with the "
                           f"same flags ({'; '.join(changes)})")  # fmt: skip
-    weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
-    own = model.state_dict()
-    if weights.keys() != own.keys() or any(weights[k].shape != own[k].shape for k in own):
-        raise ResumeError(f"{path}: its weights do not fit this run's model")
     opt_state = _optimizer_state(opt, tensors, path)
     head_state = {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}
     if head is not None:
@@ -117,7 +113,11 @@ def load_state(
             head_state[k].shape != want[k].shape for k in want
         ):
             raise ResumeError(f"{path}: its patch head does not fit this run's")
-    assign_state(model, weights, str(path))  # everything checked: now change the run
+    weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+    try:  # checks every key and shape before it copies: the first change to the run
+        assign_state(model, weights, str(path))
+    except ValueError as e:
+        raise ResumeError(f"{path}: its weights do not fit this run's model ({e})") from e
     opt.load_state_dict(opt_state)
     if head is not None:
         head.load_state_dict(head_state)
