@@ -46,6 +46,7 @@ class EngineConfig:
     memory_mode: str = "keep"  # plans read memory as cached KV (KEEP) | "full": as text
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # KEEP window t, grouping
     keep: KeepConfig = field(default_factory=KeepConfig)  # KEEP recompute ratios r_i, hops
+    keep_graphs: bool = False  # KEEP's prefill from CUDA graphs where the engine has graphs
 
     def __post_init__(self):
         if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:

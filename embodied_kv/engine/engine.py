@@ -124,6 +124,8 @@ class Engine:
         if graph_mode != "off":
             self.graphs = GraphRunner(self.model, self.manager.arena, mode=graph_mode)
             self.model.graphs = self.graphs
+            if cfg.keep_graphs:
+                self.planner.use_graphs(self.graphs)
         base = identity_of(self.model, self.manager.arena)
         # The action queue a capsule holds is in robot units: other statistics, dims or
         # delta mask make it another config.

@@ -142,7 +142,7 @@ class GraphRunner:
             hidden = bb(st.x, st.plan, self.arena)  # [n, W]
             return bb.logits(hidden, st.last_index)  # [logit_rows, V] fp32
 
-        st.replay, st.logits = self._capture(fwd)
+        st.replay, st.logits = self.graph_of(fwd)
         self._steps[n] = st
         return st
 
@@ -194,7 +194,7 @@ class GraphRunner:
             noise_s = torch.zeros(c.action_horizon, c.action_dim, device=dev)
             plen_s = torch.full((), rows, dtype=torch.int64, device=dev)  # [] prefix length
             expert, arena = self.model.expert, self.arena
-            replay, out = self._capture(lambda: expert.sample(arena, slot, plen_s, noise_s, rows))
+            replay, out = self.graph_of(lambda: expert.sample(arena, slot, plen_s, noise_s, rows))
             self._denoise[key] = (replay, out, noise_s, plen_s)
         return self._denoise[key]
 
@@ -220,14 +220,14 @@ class GraphRunner:
             dtype = tower.tower.embeddings.patch_embedding.weight.dtype  # the tower's input
             images_s = torch.zeros(cams, 3, v.image_size, v.image_size, dtype=dtype,
                                    device=self.arena.device)  # fmt: skip
-            replay, out = self._capture(lambda: tower(images_s))
+            replay, out = self.graph_of(lambda: tower(images_s))
             self._vision[cams] = (replay, out, images_s)
         return self._vision[cams]
 
     # -- capture ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    def graph_of(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """-> (replay, out): replay() recomputes fn over the static buffers into `out`."""
         self.captures += 1
         if self.mode == "emulate":

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from embodied_kv.engine.graphs import GraphRunner
+from embodied_kv.engine.keep_graph import GraphKeep
 from embodied_kv.kv.memory import HEADER, SegmentMemory, piece, query_suffix
 from embodied_kv.kv.memory_kv import compute_block, encode, layout
 from embodied_kv.kv.memory_methods import keep
@@ -44,8 +46,14 @@ class MemoryPlanner:
         if mode not in MODES:
             raise ValueError(f"memory mode {mode!r}: use one of {MODES}")
         self.model, self.memory, self.mode = model, memory, mode
-        self.method = keep(keep_cfg)
+        self.keep_cfg = keep_cfg or KeepConfig()
+        self.method = keep(self.keep_cfg)
         self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot)
+
+    def use_graphs(self, runner: GraphRunner) -> None:
+        """KEEP's prefill replayed from one graph per prompt shape (engine/keep_graph.py):
+        the first plan of a new shape captures it, inside that plan's admission."""
+        self.method = GraphKeep(runner, self.keep_cfg, "keep")
 
     def prefill_for(self, arena, text: str) -> Callable[[int], torch.Tensor] | None:
         """For a plan request's text: a function slot -> logits that prefills it with

@@ -82,9 +82,12 @@ class ImageCache:
     there is the rows' re-rotation tables, device work on CUDA); otherwise it is
     packed anew. On CUDA the image is written only after the previous request's copies
     from it are done (`fence`, recorded after its prefill).
-    The cache holds the blocks it packed, so an object id is never reused under it."""
+    The cache holds the blocks it packed, so an object id is never reused under it.
+    `device`: keep the image there instead of the host (the graphed KEEP prefill,
+    engine/keep_graph.py: a block's rows cross to the GPU once, when it is new)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
+        self.device = device if device is not None and device.type == "cuda" else None
         self.pieces: list[list] = []  # [block, first row, end row] of the image
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -105,15 +108,15 @@ class ImageCache:
         if self.event is not None:
             self.event.synchronize()  # no copy from the image still in flight
         if not same:
-            pin = device.type == "cuda"
-            self.k, self.v = (torch.empty(shape, dtype=first.dtype, pin_memory=pin)
-                              for _ in range(2))  # fmt: skip
+            pin = device.type == "cuda" and self.device is None
+            self.k, self.v = (torch.empty(shape, dtype=first.dtype, pin_memory=pin,
+                                          device=self.device) for _ in range(2))  # fmt: skip
             self.pieces = [[None, 0, 0]] * len(pieces)
         self.written_rows, offset = 0, 0
         for (b, a, e), (ob, oa, _) in zip(pieces, self.pieces, strict=True):
             if ob is not b or oa != a:
-                self.k[:, offset : offset + e - a].copy_(b.k[:, a:e])
-                self.v[:, offset : offset + e - a].copy_(b.v[:, a:e])
+                self.k[:, offset : offset + e - a].copy_(b.k[:, a:e], non_blocking=True)
+                self.v[:, offset : offset + e - a].copy_(b.v[:, a:e], non_blocking=True)
                 self.written_rows += e - a
             offset += e - a
         self.pieces = pieces

@@ -83,7 +83,7 @@ def selective_prefill(
     x = model.embed_inputs([StepInput(slot, ids=torch.tensor(lay.ids))], plan.n_padded)
     row0 = int(arena.length[0, slot])
     pos0 = int(arena.next_pos[slot])
-    sources = _sources(lay, row0, pos0)
+    sources = source_list(lay, row0, pos0)
     image = (images.pack if images else pack)(sources, backbone.rope, arena.device)
     schedule = LoadSchedule(num_layers, [s.n for s in sources], overlap=overlap)
     loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image)
@@ -134,7 +134,7 @@ def _layers(model: VLA, arena: KVArena, slot: int, lay: PromptLayout, selector: 
     return logits, stats
 
 
-def _sources(lay: PromptLayout, row0: int, pos0: int) -> list[Source]:
+def source_list(lay: PromptLayout, row0: int, pos0: int) -> list[Source]:
     """One loader unit per segment with a cached block, in prompt order."""
     sources = []
     for p in lay.placed:

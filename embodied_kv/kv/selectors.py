@@ -99,19 +99,25 @@ def token_mask(n: int, tokens: torch.Tensor) -> torch.Tensor:
 def attention_mass(view: LayerView, src: torch.Tensor, segs: SegmentIndex) -> torch.Tensor:
     """Attention (softmax over every row a token reads, mean over heads) from the step
     rows `src` ([m] int64 host) to each segment -> [m, S] fp32 on the device."""
-    arena, i = view.arena, view.layer
     lens_host = view.kv_len[src]
     src_d, lens = to_device_as_one([src, lens_host], view.q.device)
-    q = view.q.index_select(0, src_d).float()  # [m, Hq, D]
     reach = max(segs.end, int(lens_host.max()))  # rows past a token's own: masked
-    k = arena.k[i, view.slot, :reach].float()  # [R, Hkv, D]
+    keys = view.arena.k[view.layer, view.slot, :reach]
+    probs = read_attention(view.q.index_select(0, src_d), keys, lens)
+    out = torch.zeros(len(src), segs.count, device=view.q.device)
+    return out.index_add_(1, segs.owner, probs.index_select(1, segs.rows))
+
+
+def read_attention(q: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Each query row's attention over the slot rows `keys` ([R, Hkv, D]; row r >= its
+    `lens` masked), softmax per head then the mean over heads -> [m, R] fp32. No host
+    values: the graphed KEEP prefill (engine/keep_graph.py) runs it inside its graph."""
+    q, k = q.float(), keys.float()
     m, hq, d = q.shape
-    hkv = k.shape[1]
+    reach, hkv = k.shape[0], k.shape[1]
     scores = torch.einsum("mhgd,rhd->mhgr", q.view(m, hkv, hq // hkv, d), k) * d**-0.5
     mask = torch.arange(reach, device=q.device)[None, :] >= lens[:, None]  # [m, R]
-    probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).mean((1, 2))
-    out = torch.zeros(m, segs.count, device=q.device)
-    return out.index_add_(1, segs.owner, probs.index_select(1, segs.rows))
+    return scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).mean((1, 2))
 
 
 class KeepSelector:
@@ -154,13 +160,13 @@ class KeepSelector:
         mass = attention_mass(view, torch.cat([query, last]), segs)  # [len(query) + C, S]
         mass = mass.index_select(1, to_device(cand, mass.device))  # [len(query) + C, C]
         q_mass, rows = mass[: len(query)].mean(0), mass[len(query) :]
-        chosen = _top(q_mass, k)
+        chosen = top_segments(q_mass, k)
         for _ in range(self.cfg.hops):
-            chosen = _top(q_mass + rows.index_select(0, chosen).mean(0), k)
+            chosen = top_segments(q_mass + rows.index_select(0, chosen).mean(0), k)
         return chosen.cpu()
 
 
-def _top(score: torch.Tensor, k: int) -> torch.Tensor:
+def top_segments(score: torch.Tensor, k: int) -> torch.Tensor:
     """The k best, as ascending indices ([k] int64, score's device); stable on ties: the
     earlier segment first."""
     return torch.sort(-score.float(), stable=True).indices[:k].sort().values

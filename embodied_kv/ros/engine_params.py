@@ -99,6 +99,7 @@ MEMORY_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("memory.keep_first_ratio", 0.5, "KEEP r_1: segments recomputed at layer 1"),
     ParamSpec("memory.keep_last_ratio", 0.2, "KEEP r at the last layer (linear in between)"),
     ParamSpec("memory.keep_hops", 3, "KEEP multi-hop rounds (0: the query's attention alone)"),
+    ParamSpec("memory.keep_graphs", False, "KEEP's prefill replayed from CUDA graphs (GPU)"),
 )
 ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS + MEMORY_PARAMS
 
@@ -168,6 +169,7 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
             last_ratio=_float(get, "memory.keep_last_ratio"),
             hops=_int(get, "memory.keep_hops"),
         ),
+        keep_graphs=_bool(get, "memory.keep_graphs"),
     )
 
 

@@ -86,17 +86,20 @@ def test_preset_pi05_means_pi05_shapes_not_the_shipped_world_model():
     assert default_weights("tiny", "") == "" and default_weights("pi05", "w.st") == "w.st"
 
 
-def test_the_graphed_full_recomputation_row_is_exact(tmp_path):
-    """`full-graphs` (on CUDA by default) run through the graph code path on the CPU
-    (`--graphs emulate`): the tokens of eager full recomputation, the verdict compares
-    KEEP with the faster of the two."""
+def test_the_graphed_rows_are_exact(tmp_path):
+    """`full-graphs` and `keep-graphs` (on CUDA by default) run through the graph code
+    path on the CPU (`--graphs emulate`): the tokens of eager full recomputation and of
+    eager KEEP; the verdict compares the faster KEEP with the faster full."""
     out = tmp_path / "keep.json"
     argv = ["--quick", "--segments", "10", "--requests", "2", "--weights", "", "--graphs",
             "emulate", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     r = json.loads(out.read_text())
     rows = {row["method"]: row for row in r["rows"]}
-    assert list(rows) == [METHODS[0], "full-graphs", *METHODS[1:]]
+    assert list(rows) == [METHODS[0], "full-graphs", *METHODS[1:], "keep-graphs"]
     assert rows["full-graphs"]["agree"] == 1.0 and rows["full-graphs"]["same_answer"] == 1.0
     assert rows["full-graphs"]["compute_share"] == 1.0
-    assert "vs the faster full recomputation (graphs or eager)" in r["verdict"]
+    for key in ("agree", "same_answer", "compute_share", "one_hop", "two_hop"):
+        assert rows["keep-graphs"][key] == rows["keep"][key]
+    assert rows["keep-graphs"]["compute_share"] < 1.0
+    assert "the faster KEEP (graphs or eager) vs the faster full recomputation" in r["verdict"]

@@ -93,3 +93,28 @@ def test_a_plan_whose_memory_changed_before_admission_is_prefilled_as_text(tiny_
     done = {e.request_id: e for e in engine.cycle(0).events if e.done}
     assert engine.planner.fallbacks == 1 and done[request_id].status is Status.OK
     assert not engine.memory.blocks  # nothing computed for a prompt that is not the memory's
+
+
+def test_keep_graphs_in_the_engine_plan_what_eager_keep_plans(tiny_model):
+    """`memory.keep_graphs`: the planner's KEEP prefill replayed from graphs (CPU
+    emulation of the engine's GraphRunner) over a memory that changes between plans."""
+    texts = []
+    for mode, graphs in (("off", False), ("emulate", True)):
+        cfg = EngineConfig(control_hz=0.001, answer_tokens=6, history=0, request_tokens=256,
+                           memory=MemoryConfig(window=3), keep_graphs=graphs)  # fmt: skip
+        engine = Engine(cfg, model=tiny_model, graph_mode=mode)
+        try:
+            engine.begin_episode()
+            for key, text in FACTS:
+                engine.update_memory(MemoryOp.ADD, key, text, 16, group=text.split()[2])
+            out = [plan(engine).text]
+            engine.update_memory(MemoryOp.UPDATE, "bowl", "the green bowl is on the sink .", 16)
+            out.append(plan(engine, "where is the green bowl ?").text)
+            texts.append(out)
+            assert engine.planner.fallbacks == 0
+            assert (getattr(engine.planner.method, "graphs", None) is not None) == graphs
+            if graphs:
+                assert engine.planner.method.runner.replays >= 2 and engine.planner.method.graphs
+        finally:
+            tiny_model.graphs = None
+    assert texts[0] == texts[1]

@@ -1,0 +1,254 @@
+"""KEEP's selective prefill as one CUDA graph per prompt shape (the GPU path).
+
+Eager, a KEEP prefill at 40 segments dispatches ~900 torch ops plus a host sync per
+layer (kv/recompute.py): on an H100 its launches cost more than full recomputation's
+whole packed step. Every shape in it is static once the prompt is laid out:
+
+    layer i computes the header, the query and k_i = min(k_(i-1), ceil(r_i x S)) segments
+    (k_0 = S), at most m_i rows = header + query + the k_i longest segments
+
+so the whole prefill (every layer's cached rows placed, the layer, the multi-hop
+selection, the narrowing) runs over static buffers without reading a value on the
+host, and `GraphRunner.graph_of` captures it once per shape (`GraphShape`) and
+replays it for every request of that shape. Inside the graph, per layer:
+
+    1. the layer's cached rows of every segment, keys re-rotated, into the slot (the
+       rows computed at this layer are overwritten by step 2, as eager never copies them)
+    2. `layer_forward` over the m_i rows (padding rows write the scratch slot)
+    3. if k_(i+1) < k_i: the query rows' and every segment's last token's attention to
+       each segment (`read_attention`), top-k_(i+1) among the segments computed at
+       layer i, `hops` re-scorings (`top_segments`, as `KeepSelector`); the kept
+       tokens sorted to the front of the next layer's m_(i+1) rows, the rest padding
+
+The memory image lives on the device here (the request's cached rows in prompt order,
+`ImageCache(device=...)`: an update copies only the blocks it replaced), so a layer's
+placement is a device gather, not a host copy: at pi05 shapes 40 segments of memory
+are ~30 MB, small beside the GPU. The host work per request is the layout, one copy of
+the index tensors and the image's changed blocks.
+
+The same selection as `KeepSelector` in the same order; its softmax runs over every
+row of the slot (the eager one stops at the prompt's end), so scores agree to fp32
+rounding, not in bytes. With every ratio 1.0 nothing is selected and the prefill is
+full recomputation's layers over the graph's packed step (bytes, tested).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from embodied_kv.engine.graphs import GraphRunner, StaticStep
+from embodied_kv.kernels.packed_attention import bucket
+from embodied_kv.kv.arena import KVArena
+from embodied_kv.kv.host_image import ImageCache
+from embodied_kv.kv.memory_kv import PromptLayout
+from embodied_kv.kv.recompute import PrefillStats, source_list
+from embodied_kv.kv.selectors import KeepConfig, read_attention, top_segments
+from embodied_kv.kv.step import Segment, logit_rows, plan_step, to_device_as_one
+from embodied_kv.model.vla import VLA, StepInput
+
+ROWS_GRAIN = 32  # a layer's row bound is rounded up to this: fewer shapes, fewer captures
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """What a graph freezes: one capture serves every request with the same shape."""
+
+    n_pad: int  # prompt tokens, padded (the first layer's rows)
+    segments: int  # S
+    query: int  # query tokens
+    image_rows: int  # cached rows, padded
+    keep: tuple[int, ...]  # segments computed per layer (k_0 = S)
+    rows: tuple[int, ...]  # rows computed per layer (m_0 = n_pad)
+
+
+def graph_shape(lay: PromptLayout, cfg: KeepConfig, num_layers: int) -> GraphShape:
+    spans = lay.segments()
+    s = len(spans)
+    lengths = sorted((n for _, n in spans), reverse=True)
+    n_pad = bucket(lay.n)
+    fixed = lay.n - sum(lengths)
+    keep, rows = [s], [n_pad]
+    for i in range(1, num_layers):
+        keep.append(min(keep[-1], math.ceil(cfg.ratio(i, num_layers) * s - 1e-9)))
+        bound = fixed + sum(lengths[: keep[-1]])
+        rows.append(rows[-1] if keep[-1] == keep[-2] else min(n_pad, bucket(bound, ROWS_GRAIN)))
+    image = bucket(sum(lengths), ROWS_GRAIN)
+    return GraphShape(n_pad, s, lay.n - lay.query_start, image, tuple(keep), tuple(rows))
+
+
+class _Buffers:
+    """A shape's static inputs: the prompt's packed step, its segments, the image."""
+
+    def __init__(self, model: VLA, arena: KVArena, shape: GraphShape):
+        dev, s = arena.device, shape.segments
+        self.step = StaticStep(model, arena, shape.n_pad)
+        i64 = {"dtype": torch.int64, "device": dev}
+        self.owner_of_token = torch.full((shape.n_pad,), s + 1, **i64)  # S: fixed, S+1: pad
+        self.seg_last = torch.zeros(s, **i64)  # prompt token of each segment's last token
+        self.query = torch.zeros(shape.query, **i64)  # prompt tokens of the query
+        self.slot = torch.zeros(1, **i64)  # the request's slot
+        r = shape.image_rows
+        self.img_owner = torch.full((r,), s, **i64)  # segment of each image row; S: padding
+        self.img_slot = torch.full((r,), arena.scratch_slot, **i64)
+        self.img_row = torch.arange(r, **i64)  # slot row of each image row
+        spec = arena.spec
+        shape_kv = (spec.num_layers, r, spec.kv_heads, spec.head_dim)
+        self.img_k = torch.zeros(shape_kv, dtype=arena.k.dtype, device=dev)
+        self.img_v = torch.zeros(shape_kv, dtype=arena.v.dtype, device=dev)
+        self.cos = torch.ones(r, 1, spec.head_dim, device=dev)  # re-rotation per image row
+        self.sin = torch.zeros(r, 1, spec.head_dim, device=dev)
+        self.computed = torch.ones(len(shape.keep), s, dtype=torch.bool, device=dev)  # output
+        self.replay = None
+        self.logits: torch.Tensor | None = None  # [logit_rows, V] the graph's output
+
+
+class GraphKeep:
+    """The `keep` method (kv/memory_methods.py) replayed from graphs: `prefill` has the
+    methods' interface; eager KEEP where a segment has no cached block."""
+
+    grouped, cached = True, True
+
+    def __init__(self, runner: GraphRunner, cfg: KeepConfig | None = None,
+                 name: str = "keep-graphs"):  # fmt: skip
+        self.runner, self.cfg, self.name = runner, cfg or KeepConfig(), name
+        self.images = ImageCache(device=runner.arena.device)
+        self.graphs: dict[GraphShape, _Buffers] = {}
+        self.last: tuple[PromptLayout, _Buffers] | None = None
+        self._eager_stats: PrefillStats | None = None
+
+    @torch.no_grad()
+    def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
+                frame: int = 0) -> torch.Tensor:  # fmt: skip
+        if any(p.block is None for p in lay.placed) or not lay.segments():
+            from embodied_kv.kv.memory_methods import keep  # eager: nothing to graph
+
+            fallback = keep(self.cfg)
+            out = fallback.prefill(model, arena, slot, lay, frame)
+            self.last, self._eager_stats = None, fallback.stats
+            return out
+        shape = graph_shape(lay, self.cfg, len(model.backbone.layers))
+        buf = self.graphs.get(shape) or _Buffers(model, arena, shape)
+        self._load(model, arena, slot, lay, shape, buf)
+        if buf.replay is None:
+            buf.replay, buf.logits = self.runner.graph_of(lambda: self._forward(model, shape, buf))
+            self.graphs[shape] = buf
+        buf.replay()
+        self.runner.replays += 1
+        arena.length[:, slot] += lay.n
+        arena.next_pos[slot] += lay.n
+        self.last = (lay, buf)
+        return buf.logits[0].clone()
+
+    @property
+    def stats(self) -> PrefillStats | None:
+        """The last prefill's tokens computed per layer (read back from the graph's output;
+        outside the timed prefill where a caller reads it afterwards)."""
+        if self.last is None:
+            return self._eager_stats
+        lay, buf = self.last
+        spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)
+        fixed = lay.n - int(spans[:, 1].sum())
+        per_layer = (buf.computed.cpu() * spans[:, 1]).sum(1)  # [L] segment tokens
+        return PrefillStats([fixed + int(t) for t in per_layer], [])
+
+    def _load(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
+              shape: GraphShape, buf: _Buffers) -> None:  # fmt: skip
+        """The request's values into the shape's static buffers (device copies only)."""
+        plan = plan_step(arena, [Segment(slot, lay.n, causal=True)], shape.n_pad)
+        buf.step.load(plan, model.embed_inputs([StepInput(slot, ids=torch.tensor(lay.ids))],
+                                               shape.n_pad))  # fmt: skip
+        row0, pos0 = int(arena.length[0, slot]), int(arena.next_pos[slot])
+        sources = source_list(lay, row0, pos0)
+        image = self.images.pack(sources, model.backbone.rope, arena.device)
+        r, s = image.slot_row.shape[0], shape.segments
+        spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)
+        owner = torch.full((shape.n_pad,), s + 1, dtype=torch.int64)
+        owner[: lay.n] = s
+        seg = torch.repeat_interleave(torch.arange(s), spans[:, 1])
+        tokens = spans[seg, 0] + torch.arange(len(seg)) - (spans[:, 1].cumsum(0) - spans[:, 1])[seg]
+        owner[tokens] = seg
+        pad = shape.image_rows - r  # image rows past the request's: the scratch slot
+        img_owner = torch.cat([owner[image.slot_row - row0], torch.full((pad,), s)])
+        img_slot = torch.cat([torch.full((r,), slot), torch.full((pad,), arena.scratch_slot)])
+        img_row = torch.cat([image.slot_row, torch.arange(r, shape.image_rows)])
+        parts = [owner, spans.sum(1) - 1, torch.arange(lay.query_start, lay.n), img_owner,
+                 img_slot, img_row, torch.tensor([slot])]  # fmt: skip
+        for dst, src in zip((buf.owner_of_token, buf.seg_last, buf.query, buf.img_owner,
+                             buf.img_slot, buf.img_row, buf.slot),
+                            to_device_as_one(parts, arena.device), strict=True):  # fmt: skip
+            dst.copy_(src, non_blocking=True)
+        buf.img_k[:, :r].copy_(image.k, non_blocking=True)
+        buf.img_v[:, :r].copy_(image.v, non_blocking=True)
+        buf.cos[:r].copy_(image.cos)
+        buf.sin[:r].copy_(image.sin)
+
+    def _forward(self, model: VLA, shape: GraphShape, buf: _Buffers) -> torch.Tensor:
+        """The captured function: every layer over the static buffers -> logits."""
+        backbone, arena = model.backbone, self.runner.arena
+        rope, st = backbone.rope, buf.step
+        step, x = st.plan, st.x
+        s, dev = shape.segments, x.device
+        computed = torch.ones(s, dtype=torch.bool, device=dev)  # segments computed now
+        row_of = torch.arange(shape.n_pad, device=dev)  # each prompt token's row of x
+        cos_sin = rope.at(step.position)
+        for i in range(len(shape.keep)):
+            k = rope.rotate(buf.img_k[i], (buf.cos, buf.sin))
+            arena.k[i].index_put_((buf.img_slot, buf.img_row), k.to(arena.k.dtype))
+            arena.v[i].index_put_((buf.img_slot, buf.img_row), buf.img_v[i])
+            x, q = backbone.layer_forward(i, x, cos_sin, step, arena)
+            if i + 1 == len(shape.keep) or shape.keep[i + 1] == shape.keep[i]:
+                continue
+            computed = self._select(i, q, step, row_of, computed, shape, buf, arena)
+            buf.computed[i + 1 :].copy_(computed.expand(len(shape.keep) - i - 1, s))
+            keep_seg = torch.cat([computed, torch.ones(1, dtype=torch.bool, device=dev),
+                                  torch.zeros(1, dtype=torch.bool, device=dev)])  # fmt: skip
+            keep = keep_seg[buf.owner_of_token]  # [n_pad]: fixed, chosen segments
+            step, x, row_of = _narrow(st.plan, keep, row_of, x, shape.rows[i + 1], arena)
+            cos_sin = rope.at(step.position)
+        return backbone.logits(backbone.norm(x), step.last_index)
+
+    def _select(self, i: int, q: torch.Tensor, step, row_of: torch.Tensor,
+                computed: torch.Tensor, shape: GraphShape, buf: _Buffers,
+                arena: KVArena) -> torch.Tensor:  # fmt: skip
+        """KeepSelector's multi-hop choice on the device -> [S] bool: computed at i + 1."""
+        src = torch.cat([row_of[buf.query], row_of[buf.seg_last]])  # rows of q
+        lens = step.kv_len[i].index_select(0, src)
+        keys = arena.k[i].index_select(0, buf.slot)[0]  # [T, Hkv, D] the request's slot
+        probs = read_attention(q.index_select(0, src), keys, lens)  # [m, T]
+        s = shape.segments
+        mass = torch.zeros(len(src), s + 1, device=q.device)
+        mass = mass.index_add_(1, buf.img_owner, probs.index_select(1, buf.img_row))[:, :s]
+        q_mass, rows = mass[: shape.query].mean(0), mass[shape.query :]
+        off = torch.full_like(q_mass, float("-inf"))
+        k = shape.keep[i + 1]
+        chosen = top_segments(torch.where(computed, q_mass, off), k)
+        for _ in range(self.cfg.hops):
+            score = q_mass + rows.index_select(0, chosen).mean(0)
+            chosen = top_segments(torch.where(computed, score, off), k)
+        return torch.zeros_like(computed).index_fill_(0, chosen, True)
+
+
+def _narrow(full, keep: torch.Tensor, row_of: torch.Tensor, x: torch.Tensor, m: int,
+            arena: KVArena):  # fmt: skip
+    """The kept tokens first (prompt order), then padding to m rows on the scratch slot:
+    -> (the next layer's step, its x [m, W], each prompt token's row of it)."""
+    order = torch.sort((~keep).to(torch.uint8), stable=True).indices[:m]  # [m] prompt tokens
+    count = keep.sum()
+    j = torch.arange(m, device=x.device)
+    real = j < count  # [m]
+    scratch = torch.full_like(j, arena.scratch_slot)
+    step = type(full)(
+        segments=full.segments, n_real=m,
+        slot=torch.where(real, full.slot[order], scratch),
+        position=torch.where(real, full.position[order], 0),
+        row=torch.where(real, full.row[:, order], j),
+        kv_len=torch.where(real, full.kv_len[:, order], j + 1),
+        kv_len_host=None, runs=None, last=[],
+        last_index=(count - 1).expand(logit_rows(arena)),
+    )  # fmt: skip
+    x = torch.where(real[:, None], x.index_select(0, row_of[order]), 0)
+    return step, x, torch.zeros_like(row_of).index_copy_(0, order, j)
+

@@ -1,0 +1,159 @@
+"""KEEP's prefill as one graph per prompt shape (engine/keep_graph.py), through the graph code
+path on the CPU (GraphRunner "emulate": host values frozen at capture, host reads
+refused, every replay over the static buffers), against eager KEEP and full
+recomputation."""
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from embodied_kv.bench.keep_stream import Stream
+from embodied_kv.engine.graphs import GraphRunner
+from embodied_kv.engine.keep_graph import GraphKeep, graph_shape
+from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory, piece
+from embodied_kv.kv.memory_kv import compute_block, encode, layout
+from embodied_kv.kv.memory_methods import FullRecompute, keep
+from embodied_kv.kv.selectors import KeepConfig
+from embodied_kv.model.vla import StepInput, build_model
+from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.train.trained import TOKENIZER_FILE, world_config
+
+
+class StreamRig:
+    """A frame prefix, a memory of `n` world facts fed a stream of updates, and plan
+    requests over it, each in a fresh copy of the frame's slot."""
+
+    def __init__(self, model, n: int, seed: int):
+        self.model = model
+        self.arena = model.new_arena(5, 512)
+        self.frame, self.work = self.arena.allocate(), self.arena.allocate()
+        g = torch.Generator().manual_seed(seed)
+        prefix = torch.randn(24, model.cfg.backbone.width, generator=g)
+        model.step(self.arena, [StepInput(self.frame, embeds=prefix, causal=False)])
+        self.stream = Stream.make(n, seed)
+        self.memory = SegmentMemory(MemoryConfig(window=3))
+        for key, text, group in self.stream.segments():
+            self.memory.apply(MemoryOp.ADD, key, text, n, group)
+
+    def next_layout(self, request: int):
+        for _ in range(2):
+            key, text, group = self.stream.update()
+            self.memory.apply(MemoryOp.UPDATE, key, text, 100 + request, group)
+        self.memory.refresh(lambda t: compute_block(self.model, self.arena, self.work, t))
+        texts = [t for u in self.memory.units() for t in u.texts]
+        goal, _ = self.stream.query(1 + request % 2, texts)
+        return layout(self.model, self.memory.units(), self.memory.blocks, goal)
+
+    def run(self, method, lay):
+        """-> (logits, the request slot's K and V rows)."""
+        slot = self.arena.allocate()
+        self.arena.copy_slot(self.frame, slot)
+        logits = method.prefill(self.model, self.arena, slot, lay)
+        n = self.arena.slot_len(slot)
+        out = logits, self.arena.k[:, slot, :n].clone(), self.arena.v[:, slot, :n].clone()
+        self.arena.release(slot)
+        return out
+
+
+def test_at_ratio_one_the_graph_is_full_recomputation_in_bytes(world_model):
+    rig = StreamRig(world_model, 10, seed=1)
+    cfg = KeepConfig(first_ratio=1.0, last_ratio=1.0)
+    graphed = GraphKeep(GraphRunner(world_model, rig.arena, "emulate"), cfg)
+    for r in range(3):
+        lay = rig.next_layout(r)
+        got, want = rig.run(graphed, lay), rig.run(FullRecompute(), lay)
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x, y)
+        assert graphed.stats.active == [lay.n] * len(world_model.backbone.layers)
+
+
+@pytest.mark.parametrize("hops", [3, 0])
+def test_replays_choose_what_eager_keep_chooses_over_a_stream_of_updates(world_model, hops):
+    """Each request changes the memory (two updates) and the goal; a replay must read the
+    new request's values, never the captured ones: the same segments per layer as eager
+    KEEP, the same logits (to fp32 rounding: the graph's softmax spans the whole slot),
+    and one capture per prompt shape."""
+    cfg = KeepConfig(hops=hops)
+    rig = StreamRig(world_model, 20, seed=2 + hops)
+    runner = GraphRunner(world_model, rig.arena, "emulate")
+    graphed, eager = GraphKeep(runner, cfg), keep(cfg)
+    shapes = set()
+    for r in range(6):
+        lay = rig.next_layout(r)
+        shapes.add(graph_shape(lay, cfg, len(world_model.backbone.layers)))
+        got, want = rig.run(graphed, lay), rig.run(eager, lay)
+        assert graphed.stats.active == eager.stats.active
+        assert eager.stats.active[-1] < lay.n  # the selection narrowed
+        assert int(got[0].argmax()) == int(want[0].argmax())
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert len(graphed.graphs) == len(shapes) < 6  # requests share captures
+    assert runner.captures == len(shapes) and runner.replays == 6
+
+
+def test_a_replay_reads_the_new_layout_when_the_shape_is_the_same(world_model):
+    """Two facts of different lengths swap texts: the prompt keeps its shape (tokens,
+    segments, lengths) but every index after the first swapped fact moves. The replay
+    must place, score and narrow by the new positions."""
+    rig = StreamRig(world_model, 12, seed=4)
+    graphed, eager = GraphKeep(GraphRunner(world_model, rig.arena, "emulate")), keep()
+    lay = rig.next_layout(0)
+    rig.run(graphed, lay)
+    facts = rig.stream.segments()  # (segment id, text, group)
+    size = {t: len(encode(world_model, piece(t))) for _, t, _ in facts}
+    a, b = next((x, y) for x in facts for y in facts if size[x[1]] != size[y[1]])
+    for (key, _, group), (_, text, _) in ((a, b), (b, a)):
+        rig.memory.apply(MemoryOp.UPDATE, key, text, 200, group)
+    rig.memory.refresh(lambda t: compute_block(world_model, rig.arena, rig.work, t))
+    swapped = layout(world_model, rig.memory.units(), rig.memory.blocks, "where is the red box ?")
+    assert swapped.segments() != lay.segments() and swapped.n == lay.n
+    got, want = rig.run(graphed, swapped), rig.run(eager, swapped)
+    assert len(graphed.graphs) == 1 and graphed.runner.replays == 2  # the same capture
+    assert graphed.stats.active == eager.stats.active
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_the_shape_bounds_every_selection_and_follows_the_ratios(world_model):
+    rig = StreamRig(world_model, 30, seed=5)
+    lay = rig.next_layout(0)
+    cfg = KeepConfig(first_ratio=0.5, last_ratio=0.2)
+    shape = graph_shape(lay, cfg, 4)
+    s = len(lay.segments())
+    assert shape.keep == (s, 15, 11, 6) and shape.segments == s == 30  # ceil(r x 30)
+    longest = sorted((n for _, n in lay.segments()), reverse=True)
+    fixed = lay.n - sum(longest)
+    for k, rows in zip(shape.keep[1:], shape.rows[1:], strict=True):
+        assert fixed + sum(longest[:k]) <= rows <= shape.n_pad  # any k segments fit
+    assert shape.query == lay.n - lay.query_start
+
+
+def test_a_segment_without_a_cached_block_runs_eager_keep(world_model):
+    rig = StreamRig(world_model, 10, seed=3)
+    lay = rig.next_layout(0)
+    key = lay.placed[0].unit.key
+    blocks = {k: b for k, b in rig.memory.blocks.items() if k != key}
+    lay = layout(world_model, rig.memory.units(), blocks, "where is the red box ?")
+    runner = GraphRunner(world_model, rig.arena, "emulate")
+    got, want = rig.run(GraphKeep(runner), lay), rig.run(keep(), lay)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
+    assert runner.captures == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs CUDA")
+def test_on_cuda_the_captured_graph_chooses_what_eager_keep_chooses():
+    """The product path: torch.cuda.graph capture of the whole prefill, replayed over a
+    stream of updates, against eager KEEP on the same device (bf16 arena)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = save_tokenizer(Path(tmp) / TOKENIZER_FILE)
+        model = build_model(world_config(), "cuda", tokenizer_path=str(tok))
+    rig = StreamRig(model, 40, seed=7)
+    graphed, eager = GraphKeep(GraphRunner(model, rig.arena, "cuda")), keep()
+    for r in range(6):
+        lay = rig.next_layout(r)
+        got, want = rig.run(graphed, lay), rig.run(eager, lay)
+        assert graphed.stats.active == eager.stats.active
+        torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
