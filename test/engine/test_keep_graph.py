@@ -3,11 +3,13 @@ path on the CPU (GraphRunner "emulate": host values frozen at capture, host read
 refused, every replay over the static buffers), against eager KEEP and full
 recomputation."""
 
+import collections
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from embodied_kv.bench.keep_stream import Stream
 from embodied_kv.engine.graphs import GraphRunner
@@ -152,8 +154,50 @@ def test_on_cuda_the_captured_graph_chooses_what_eager_keep_chooses():
         model = build_model(world_config(), "cuda", tokenizer_path=str(tok))
     rig = StreamRig(model, 40, seed=7)
     graphed, eager = GraphKeep(GraphRunner(model, rig.arena, "cuda")), keep()
-    for r in range(6):
+    same = 0  # requests where both chose the same segments (index_add_ on CUDA is atomic:
+    for r in range(6):  # a near tie may fall either way in either path)
         lay = rig.next_layout(r)
         got, want = rig.run(graphed, lay), rig.run(eager, lay)
-        assert graphed.stats.active == eager.stats.active
-        torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+        if graphed.stats.active == eager.stats.active:
+            same += 1
+            torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    assert same >= 5 and len(graphed.graphs) < 6
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.names[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_replayed_request_dispatches_the_same_few_host_ops_at_10_and_40_segments(world_model):
+    """What a request costs the host around its one graph launch (the layout's copies
+    into the static buffers, the image's changed blocks): ~110 ops whatever
+    the segments, against eager KEEP's ~900 (kv/test_prefill_host_work.py)."""
+    host = {}
+    for n in (10, 40):
+        rig = StreamRig(world_model, n, seed=n)
+        graphed = GraphKeep(GraphRunner(world_model, rig.arena, "emulate"))
+        lay = rig.next_layout(0)
+        rig.run(graphed, lay)  # captures
+        buf = next(iter(graphed.graphs.values()))
+        recorded, launches = buf.replay, []
+
+        def launch(recorded=recorded, launches=launches):
+            launches.append(1)
+            with _disable_current_modes():  # the replay is one graph launch on CUDA
+                recorded()
+
+        buf.replay = launch
+        slot = rig.arena.allocate()
+        rig.arena.copy_slot(rig.frame, slot)
+        with _Ops() as ops:
+            graphed.prefill(world_model, rig.arena, slot, lay)
+        host[n] = ops.count
+        assert launches == [1]
+    assert host[40] == host[10] < 120, (host, ops.names.most_common(12))
