@@ -50,6 +50,7 @@ from embodied_kv.kv.step import Segment, logit_rows, plan_step, to_device_as_one
 from embodied_kv.model.vla import VLA, StepInput
 
 ROWS_GRAIN = 32  # a layer's row bound is rounded up to this: fewer shapes, fewer captures
+MAX_SHAPES = 8  # graphs kept (least recently used dropped): a growing memory makes new shapes
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,11 @@ class GraphKeep:
     grouped, cached = True, True
 
     def __init__(self, runner: GraphRunner, cfg: KeepConfig | None = None,
-                 name: str = "keep-graphs"):  # fmt: skip
+                 name: str = "keep-graphs", max_shapes: int = MAX_SHAPES):  # fmt: skip
+        if max_shapes < 1:
+            raise ValueError(f"max_shapes={max_shapes}: keep at least one graph")
         self.runner, self.cfg, self.name = runner, cfg or KeepConfig(), name
+        self.max_shapes = max_shapes
         self.images = ImageCache(device=runner.arena.device)
         self.graphs: dict[GraphShape, _Buffers] = {}
         self.last: tuple[PromptLayout, _Buffers] | None = None
@@ -130,11 +134,13 @@ class GraphKeep:
             self.last, self._eager_stats = None, fallback.stats
             return out
         shape = graph_shape(lay, self.cfg, len(model.backbone.layers))
-        buf = self.graphs.get(shape) or _Buffers(model, arena, shape)
+        buf = self.graphs.pop(shape, None) or _Buffers(model, arena, shape)
         self._load(model, arena, slot, lay, shape, buf)
         if buf.replay is None:
             buf.replay, buf.logits = self.runner.graph_of(lambda: self._forward(model, shape, buf))
-            self.graphs[shape] = buf
+        self.graphs[shape] = buf  # the most recently used last
+        while len(self.graphs) > self.max_shapes:  # its graph and buffers go with it
+            self.graphs.pop(next(iter(self.graphs)))
         buf.replay()
         self.runner.replays += 1
         arena.length[:, slot] += lay.n

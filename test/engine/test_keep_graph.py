@@ -201,3 +201,26 @@ def test_a_replayed_request_dispatches_the_same_few_host_ops_at_10_and_40_segmen
         host[n] = ops.count
         assert launches == [1]
     assert host[40] == host[10] < 120, (host, ops.names.most_common(12))
+
+
+def test_the_graphs_kept_are_bounded_least_recently_used_first(world_model):
+    """A memory that grows makes a new shape at every added fact: the graphs (and their
+    buffers) are capped, the oldest dropped and captured again when it comes back."""
+    rig = StreamRig(world_model, 10, seed=6)
+    runner = GraphRunner(world_model, rig.arena, "emulate")
+    graphed = GraphKeep(runner, max_shapes=2)
+    lays = [rig.next_layout(0)]
+    for i in range(2):  # two more shapes: one fact more each
+        rig.memory.apply(MemoryOp.ADD, f"extra/{i}", "the red box is open .", 300, "extra")
+        rig.memory.refresh(lambda t: compute_block(world_model, rig.arena, rig.work, t))
+        lays.append(layout(world_model, rig.memory.units(), rig.memory.blocks, "where is the red box ?"))
+    shapes = [graph_shape(lay, graphed.cfg, 4) for lay in lays]
+    assert len(set(shapes)) == 3
+    for lay in [lays[0], lays[1], lays[0], lays[2], lays[1]]:
+        got, want = rig.run(graphed, lay), rig.run(keep(), lay)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        assert len(graphed.graphs) <= 2
+    # captures: 0, 1, (0 kept), 2 (drops 1), 1 again
+    assert runner.captures == 4 and list(graphed.graphs) == [shapes[2], shapes[1]]
+    with pytest.raises(ValueError, match="at least one"):
+        GraphKeep(runner, max_shapes=0)
