@@ -213,7 +213,8 @@ def test_the_graphs_kept_are_bounded_least_recently_used_first(world_model):
     for i in range(2):  # two more shapes: one fact more each
         rig.memory.apply(MemoryOp.ADD, f"extra/{i}", "the red box is open .", 300, "extra")
         rig.memory.refresh(lambda t: compute_block(world_model, rig.arena, rig.work, t))
-        lays.append(layout(world_model, rig.memory.units(), rig.memory.blocks, "where is the red box ?"))
+        units, blocks = rig.memory.units(), rig.memory.blocks
+        lays.append(layout(world_model, units, blocks, "where is the red box ?"))
     shapes = [graph_shape(lay, graphed.cfg, 4) for lay in lays]
     assert len(set(shapes)) == 3
     for lay in [lays[0], lays[1], lays[0], lays[2], lays[1]]:
