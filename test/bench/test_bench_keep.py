@@ -102,4 +102,5 @@ def test_the_graphed_rows_are_exact(tmp_path):
     for key in ("agree", "same_answer", "compute_share", "one_hop", "two_hop"):
         assert rows["keep-graphs"][key] == rows["keep"][key]
     assert rows["keep-graphs"]["compute_share"] < 1.0
+    assert rows["keep-graphs"]["captures"] >= 1 and rows["keep"]["captures"] == 0
     assert "the faster KEEP (graphs or eager) vs the faster full recomputation" in r["verdict"]
