@@ -180,21 +180,11 @@ def run_segments(model, n: int, args, device: str) -> dict:
             lay = lays[m.grouped] if m.cached else lays[True]
             runner = getattr(m, "runner", None)
             before = runner.captures if runner is not None else 0
-            slot = arena.allocate()
-            arena.copy_slot(frame, slot)
-            t = clock()
-            logits = m.prefill(model, arena, slot, lay, frame)
-            first = int(logits.argmax())
-            ms = elapsed_ms(t, clock)
+            slot, logits, first, ms = timed_prefill(m, model, arena, frame, lay, clock)
             if runner is not None and runner.captures > before:  # a new shape: it captured
                 out[m.name]["capture"].append(ms)  # apart; the TTFT is its replay's
                 arena.release(slot)
-                slot = arena.allocate()
-                arena.copy_slot(frame, slot)
-                t = clock()
-                logits = m.prefill(model, arena, slot, lay, frame)
-                first = int(logits.argmax())
-                ms = elapsed_ms(t, clock)
+                slot, logits, first, ms = timed_prefill(m, model, arena, frame, lay, clock)
             tokens = greedy(model, arena, slot, logits, AGREE_TOKENS)
             assert tokens[0] == first
             if isinstance(m, PrefixCaching):
@@ -219,6 +209,17 @@ def run_segments(model, n: int, args, device: str) -> dict:
     return {"methods": out, "refresh": refresh, "static_groups": sum(
         u.key.startswith("group:") for u in grouped.units()), "groups": len(grouped.groups),
         "counters": vars(grouped.counters)}  # fmt: skip
+
+
+def timed_prefill(m, model, arena, frame: int, lay, clock) -> tuple:
+    """One request of method m in a fresh copy of the frame's slot -> (slot, logits, first
+    token, TTFT ms: the prefill and the first token read)."""
+    slot = arena.allocate()
+    arena.copy_slot(frame, slot)
+    t = clock()
+    logits = m.prefill(model, arena, slot, lay, frame)
+    first = int(logits.argmax())
+    return slot, logits, first, elapsed_ms(t, clock)
 
 
 def fact_tokens(model) -> int:
