@@ -52,6 +52,7 @@ from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory, piece
 from embodied_kv.kv.memory_kv import compute_block, encode, layout
 from embodied_kv.kv.memory_methods import FullRecompute, PrefixCaching, methods
+from embodied_kv.kv.selectors import KeepConfig
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.vla import Observation, StepInput, build_model
 from embodied_kv.timing import device_clock, elapsed_ms
@@ -148,12 +149,13 @@ def run_segments(model, n: int, args, device: str) -> dict:
     arena = model.new_arena(5, -(-budget // KEY_BLOCK) * KEY_BLOCK)
     frame, work, cache = (arena.allocate() for _ in range(3))
     model.prefill(arena, frame, prefix)
-    family = methods(cache)
+    keep_cfg = KeepConfig(*args.keep_ratios)
+    family = methods(cache, keep_cfg)
     mode = default_mode(device) if args.graphs == "auto" else args.graphs
     if mode != "off":  # beside the eager rows, full recomputation and KEEP from graphs
         runner = GraphRunner(model, arena, mode)
         family.insert(1, FullGraphs(runner))
-        family.append(GraphKeep(runner))
+        family.append(GraphKeep(runner, keep_cfg))
     compute = lambda texts: compute_block(model, arena, work, texts)  # noqa: E731
     clock = device_clock(device)
     out = {m.name: {"ttft": [], "one_hop": [], "two_hop": [], "agree": [], "active": [],
@@ -288,6 +290,11 @@ def verdict(rows: list[dict], trained: bool) -> str:
             f"(keep above both: {above}); {speed}")  # fmt: skip
 
 
+def _ratios(text: str) -> tuple[float, float]:
+    first, last = (float(x) for x in text.split(","))
+    return first, last
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embodied-kv bench keep", description=__doc__.split("\n")[0])
     harness.add_common_args(p)
@@ -301,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=2, help="memory updates before each request")
     p.add_argument("--window", type=int, default=10, help="KEEP t")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-ratios", type=_ratios, default=(KeepConfig.first_ratio,
+                   KeepConfig.last_ratio), help="KEEP r_1,r_(L-1) (recomputed share of the "
+                   "segments at layer 1 and at the last layer, linear in between)")  # fmt: skip
     p.add_argument("--graphs", choices=["auto", "off", "emulate"], default="auto",
                    help="the full-graphs and keep-graphs rows: auto = CUDA graphs on CUDA, "
                    "none on the CPU")

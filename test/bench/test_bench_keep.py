@@ -70,7 +70,8 @@ def test_the_arena_holds_the_memory_in_a_byte_tokenizer_s_ids():
     (2026-11-23). A byte-id model (tiny) through every method at 10 segments."""
     model = build_model(get_preset("tiny"))
     assert model.cfg.tokenizer == "bytes" and fact_tokens(model) > 30
-    args = argparse.Namespace(seed=0, window=10, requests=2, updates=2, graphs="auto")
+    args = argparse.Namespace(seed=0, window=10, requests=2, updates=2, graphs="auto",
+                              keep_ratios=(0.5, 0.2))
     raw = run_segments(model, 10, args, "cpu")
     assert set(raw["methods"]) == set(METHODS)
     assert all(len(s["ttft"]) == 2 for s in raw["methods"].values())
@@ -104,3 +105,15 @@ def test_the_graphed_rows_are_exact(tmp_path):
     assert rows["keep-graphs"]["compute_share"] < 1.0
     assert rows["keep-graphs"]["captures"] >= 1 and rows["keep"]["captures"] == 0
     assert "the faster KEEP (graphs or eager) vs the faster full recomputation" in r["verdict"]
+
+
+def test_keep_ratios_reach_every_keep_row(tmp_path):
+    """`--keep-ratios 1,1`: KEEP (eager, its ablations and from graphs) recomputes every
+    segment at every layer, so it is full recomputation: every token agrees."""
+    out = tmp_path / "keep.json"
+    argv = ["--quick", "--segments", "10", "--requests", "2", "--weights", "", "--graphs",
+            "emulate", "--keep-ratios", "1,1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    for name in ("keep", "keep-no-static", "keep-one-hop", "keep-no-balance", "keep-graphs"):
+        assert rows[name]["compute_share"] == 1.0 and rows[name]["agree"] == 1.0, name
