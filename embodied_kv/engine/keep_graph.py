@@ -44,6 +44,7 @@ from embodied_kv.kernels.packed_attention import bucket
 from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
+from embodied_kv.kv.memory_methods import keep
 from embodied_kv.kv.recompute import PrefillStats, source_list
 from embodied_kv.kv.selectors import KeepConfig, read_attention, top_segments
 from embodied_kv.kv.step import Segment, logit_rows, plan_step, to_device_as_one
@@ -120,18 +121,15 @@ class GraphKeep:
         self.max_shapes = max_shapes
         self.images = ImageCache(device=runner.arena.device)
         self.graphs: dict[GraphShape, _Buffers] = {}
-        self.last: tuple[PromptLayout, _Buffers] | None = None
-        self._eager_stats: PrefillStats | None = None
+        self.last: tuple[PromptLayout, _Buffers] | None = None  # None: the last ran eagerly
+        self.eager = keep(self.cfg)
 
     @torch.no_grad()
     def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
         if any(p.block is None for p in lay.placed) or not lay.segments():
-            from embodied_kv.kv.memory_methods import keep  # eager: nothing to graph
-
-            fallback = keep(self.cfg)
-            out = fallback.prefill(model, arena, slot, lay, frame)
-            self.last, self._eager_stats = None, fallback.stats
+            out = self.eager.prefill(model, arena, slot, lay, frame)  # nothing to graph
+            self.last = None
             return out
         shape = graph_shape(lay, self.cfg, len(model.backbone.layers))
         buf = self.graphs.pop(shape, None) or _Buffers(model, arena, shape)
@@ -153,7 +151,7 @@ class GraphKeep:
         """The last prefill's tokens computed per layer (read back from the graph's output;
         outside the timed prefill where a caller reads it afterwards)."""
         if self.last is None:
-            return self._eager_stats
+            return self.eager.stats
         lay, buf = self.last
         spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)
         fixed = lay.n - int(spans[:, 1].sum())
