@@ -132,10 +132,11 @@ class GraphKeep:
             self.last = None
             return out
         shape = graph_shape(lay, self.cfg, len(model.backbone.layers))
-        buf = self.graphs.pop(shape, None) or _Buffers(model, arena, shape)
+        buf = self.graphs.get(shape) or _Buffers(model, arena, shape)
         self._load(model, arena, slot, lay, shape, buf)
         if buf.replay is None:
             buf.replay, buf.logits = self.runner.graph_of(lambda: self._forward(model, shape, buf))
+        self.graphs.pop(shape, None)
         self.graphs[shape] = buf  # the most recently used last
         while len(self.graphs) > self.max_shapes:  # its graph and buffers go with it
             self.graphs.pop(next(iter(self.graphs)))
@@ -218,16 +219,17 @@ class GraphKeep:
                 computed: torch.Tensor, shape: GraphShape, buf: _Buffers,
                 arena: KVArena) -> torch.Tensor:  # fmt: skip
         """KeepSelector's multi-hop choice on the device -> [S] bool: computed at i + 1."""
+        s, k = shape.segments, shape.keep[i + 1]
+        if k == 0:  # header and query alone from here on
+            return torch.zeros_like(computed)
         src = torch.cat([row_of[buf.query], row_of[buf.seg_last]])  # rows of q
         lens = step.kv_len[i].index_select(0, src)
         keys = arena.k[i].index_select(0, buf.slot)[0]  # [T, Hkv, D] the request's slot
         probs = read_attention(q.index_select(0, src), keys, lens)  # [m, T]
-        s = shape.segments
         mass = torch.zeros(len(src), s + 1, device=q.device)
         mass = mass.index_add_(1, buf.img_owner, probs.index_select(1, buf.img_row))[:, :s]
         q_mass, rows = mass[: shape.query].mean(0), mass[shape.query :]
         off = torch.full_like(q_mass, float("-inf"))
-        k = shape.keep[i + 1]
         chosen = top_segments(torch.where(computed, q_mass, off), k)
         for _ in range(self.cfg.hops):
             score = q_mass + rows.index_select(0, chosen).mean(0)

@@ -71,13 +71,14 @@ def test_at_ratio_one_the_graph_is_full_recomputation_in_bytes(world_model):
         assert graphed.stats.active == [lay.n] * len(world_model.backbone.layers)
 
 
-@pytest.mark.parametrize("hops", [3, 0])
-def test_replays_choose_what_eager_keep_chooses_over_a_stream_of_updates(world_model, hops):
+@pytest.mark.parametrize("hops,ratios", [(3, ()), (0, ()), (3, (1.0, 0.5, 0.0, 0.0))])
+def test_replays_choose_what_eager_keep_chooses_over_a_stream_of_updates(world_model, hops,
+                                                                         ratios):  # fmt: skip
     """Each request changes the memory (two updates) and the goal; a replay must read the
     new request's values, never the captured ones: the same segments per layer as eager
     KEEP, the same logits (to fp32 rounding: the graph's softmax spans the whole slot),
     and one capture per prompt shape."""
-    cfg = KeepConfig(hops=hops)
+    cfg = KeepConfig(hops=hops, ratios=ratios)  # the last: no segment after layer 1
     rig = StreamRig(world_model, 20, seed=2 + hops)
     runner = GraphRunner(world_model, rig.arena, "emulate")
     graphed, eager = GraphKeep(runner, cfg), keep(cfg)
