@@ -12,14 +12,21 @@ with AdamW as `train` trains. Guessing the most frequent place of a sequence sco
 
 `data="world"`: the same lookup in the world's own memory text instead (world/memory.py:
 2..`pairs` containers, two movables, no updates, `queries` one-hop queries per stream,
-text only), the form the world model's plan samples give it."""
+text only), the form the world model's plan samples give it.
+
+`data="chain"`: two hops in the bare form. Half the facts place a container,
+`<colour> <container> <place> .`, half put a movable in one of them,
+`<colour> <movable> <colour> <container> .` (in random order); every query asks for a
+movable's place, `Query <colour> <movable> : <place>`: its container's fact, then that
+container's place, in one forward pass. `layers` changes the backbone's depth (the world
+model has 4): whether two lookups in a row need more layers than one."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -51,13 +58,15 @@ class ProbeConfig:
     seed: int = 0  # data order and the redrawn embedding
     embed_std: float = 0.0  # 0: the model's own init (train.loop.TrainConfig.embed_std)
     log_every: int = 100
-    data: str = "pairs"  # or "world"
+    data: str = "pairs"  # or "world", "chain"
 
     def __post_init__(self):
-        if self.data not in ("pairs", "world") or (
+        if self.data == "chain" and not 2 <= self.pairs <= 2 * len(COLOURS) * len(CONTAINERS):
+            raise ValueError(f"chain: pairs in [2, {2 * len(COLOURS) * len(CONTAINERS)}]: {self}")
+        if self.data not in ("pairs", "world", "chain") or (
             self.data == "world" and not 2 <= self.pairs <= 8
         ):
-            raise ValueError(f"data 'pairs' or 'world' (2 .. 8 containers): {self}")
+            raise ValueError(f"data 'pairs', 'chain' or 'world' (2 .. 8 containers): {self}")
         if not 1 <= self.pairs <= len(COLOURS) * len(SHAPES) or self.queries < 1:
             raise ValueError(f"pairs in [1, {len(COLOURS) * len(SHAPES)}], queries >= 1: "
                              f"{self}")  # fmt: skip
@@ -91,6 +100,43 @@ def lookup_batch(gen: torch.Generator, words: dict, cfg: ProbeConfig):
         rows.append(ids)
         labels.append(lab)
     return torch.tensor(rows), torch.tensor(labels)
+
+
+def chain_batch(gen: torch.Generator, words: dict, cfg: ProbeConfig):
+    """-> ids [B, L], labels [B, L]: two-hop lookups (module doc), the label at each ':'."""
+    n_box = max(1, cfg.pairs // 2)  # containers; the other facts are movables
+    n_mov = cfg.pairs - n_box
+    colour, place = torch.tensor(words["colour"]), torch.tensor(words["place"])
+    boxes, movables = (torch.tensor(words["shape"])[i] for i in _kinds())
+    dot, query, colon = words["frame"]
+    rows, labels = [], []
+    for _ in range(cfg.batch):
+        box = _keys(gen, colour, boxes, n_box)  # [n_box, 2]
+        mov = _keys(gen, colour, movables, n_mov)
+        at = place[torch.randint(len(place), (n_box,), generator=gen)]  # each box's place
+        inside = torch.randint(n_box, (n_mov,), generator=gen)  # each movable's box
+        facts = [[*box[b].tolist(), int(at[b]), dot] for b in range(n_box)]
+        facts += [[*mov[m].tolist(), *box[inside[m]].tolist(), dot] for m in range(n_mov)]
+        ids = [t for i in torch.randperm(len(facts), generator=gen).tolist() for t in facts[i]]
+        lab = [IGNORE] * len(ids)
+        for m in torch.randint(n_mov, (cfg.queries,), generator=gen).tolist():
+            answer = int(at[inside[m]])
+            ids += [query, *mov[m].tolist(), colon, answer]
+            lab += [IGNORE, IGNORE, IGNORE, answer, IGNORE]
+        rows.append(ids)
+        labels.append(lab)
+    return torch.tensor(rows), torch.tensor(labels)
+
+
+def _kinds() -> tuple[list[int], list[int]]:
+    """Indices into SHAPES of the containers and of the movables."""
+    return ([SHAPES.index(s) for s in CONTAINERS], [SHAPES.index(s) for s in MOVABLES])
+
+
+def _keys(gen: torch.Generator, colour: torch.Tensor, shapes: torch.Tensor, n: int):
+    """n distinct (colour, shape) keys -> [n, 2] word ids."""
+    pick = torch.randperm(len(colour) * len(shapes), generator=gen)[:n]
+    return torch.stack([colour[pick // len(shapes)], shapes[pick % len(shapes)]], 1)
 
 
 def world_batch(gen: torch.Generator, tokenizer, cfg: ProbeConfig):
@@ -137,6 +183,8 @@ def run_probe(model, cfg: ProbeConfig, on_record=None) -> list[dict]:
     for step in range(1, cfg.steps + 1):
         if cfg.data == "world":
             ids, labels = world_batch(gen, model.tokenizer, cfg)
+        elif cfg.data == "chain":
+            ids, labels = chain_batch(gen, words, cfg)
         else:
             ids, labels = lookup_batch(gen, words, cfg)
         ids, labels = ids.to(model.device), labels.to(model.device)
@@ -174,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=ProbeConfig.steps)
     p.add_argument("--pairs", type=int, default=ProbeConfig.pairs,
                    help="facts per sequence (world: most containers per stream)")
-    p.add_argument("--data", default="pairs", help="pairs (bare facts) or world (its text)")
+    p.add_argument("--data", default="pairs",
+                   help="pairs (bare facts), chain (two hops, bare) or world (its text)")
+    p.add_argument("--layers", type=int, default=0,
+                   help="backbone depth (0: the preset's; the world model has 4)")
     p.add_argument("--lr", type=float, default=ProbeConfig.lr)
     p.add_argument("--preset", default="world")
     p.add_argument("--init", default="", help="a weights file of the preset to start from "
@@ -225,8 +276,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _probe_model(args, tokenizer_path):
     """The probe's model (fp32, the world's word tokenizer): fresh, or `--init`'s weights."""
-    model = build_model(world_config(args.preset, 0), args.device, torch.float32,
-                        tokenizer_path=str(tokenizer_path))  # fmt: skip
+    cfg = world_config(args.preset, 0)
+    if args.layers:
+        if args.init:
+            raise ValueError("--layers builds a fresh model of that depth; --init loads one")
+        depth = {"layers": args.layers}
+        cfg = replace(cfg, backbone=replace(cfg.backbone, **depth),
+                      expert=replace(cfg.expert, **depth))  # fmt: skip
+    model = build_model(cfg, args.device, torch.float32, tokenizer_path=str(tokenizer_path))
     if args.init:
         load_weights(model, args.init)
     return model

@@ -13,6 +13,7 @@ from embodied_kv.model.weights import save_weights
 from embodied_kv.train.recall_probe import (
     IGNORE,
     ProbeConfig,
+    chain_batch,
     escape_step,
     lookup_batch,
     run_probe,
@@ -26,6 +27,34 @@ from embodied_kv.train.trained import world_config
 def world_model(tmp_path):
     tok = save_tokenizer(tmp_path / "tokenizer.json")
     return build_model(world_config("world", 0), "cpu", torch.float32, tokenizer_path=str(tok))
+
+
+def test_a_chain_label_is_the_place_of_the_queried_movable_s_container(tmp_path):
+    """Two hops: the movable's fact names a container, the container's fact its place."""
+    model = world_model(tmp_path)
+    words = word_ids(model.tokenizer)
+    cfg = ProbeConfig(pairs=8, queries=8, batch=4, data="chain")
+    ids, labels = chain_batch(torch.Generator().manual_seed(5), words, cfg)
+    dot, query, colon = words["frame"]
+    places = set(words["place"])
+    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
+        end = row.index(query)
+        facts, fact = [], []
+        for t in row[:end]:
+            fact.append(t)
+            if t == dot:
+                facts.append(fact)
+                fact = []
+        assert len(facts) == cfg.pairs
+        place = {tuple(f[:2]): f[2] for f in facts if len(f) == 4}
+        holder = {tuple(f[:2]): tuple(f[2:4]) for f in facts if len(f) == 5}
+        assert len(place) == len(holder) == 4 and set(place.values()) <= places
+        at = [j for j, x in enumerate(lab) if x != IGNORE]
+        assert len(at) == cfg.queries
+        for j in at:
+            assert row[j] == colon and row[j - 3] == query
+            movable = (row[j - 2], row[j - 1])
+            assert lab[j] == row[j + 1] == place[holder[movable]]
 
 
 def test_every_label_is_the_place_of_the_queried_key(tmp_path):
@@ -67,6 +96,23 @@ def test_cli_writes_every_run(tmp_path, capsys):
     assert [(r["embed_std"], r["seed"]) for r in runs] == [(0, 1), (0, 2), (0.088, 1), (0.088, 2)]
     assert "0/2 runs learned the lookup" in capsys.readouterr().out
     assert main(["recall-probe", "--steps", "2", "--pairs", "99"]) == 2
+
+
+def test_cli_layers_builds_a_fresh_backbone_of_that_depth(tmp_path, monkeypatch):
+    from embodied_kv.train import recall_probe
+
+    depths = []
+    real = recall_probe.run_probe
+
+    def spy(model, cfg, on_record=None):
+        depths.append(len(model.backbone.layers))
+        return real(model, cfg, on_record)
+
+    monkeypatch.setattr(recall_probe, "run_probe", spy)
+    argv = ["recall-probe", "--data", "chain", "--layers", "2", "--steps", "2", "--seeds", "1",
+            "--embed-std", "0.088"]  # fmt: skip
+    assert main(argv) == 0 and depths == [2]
+    assert main([*argv, "--init", str(tmp_path / "w.safetensors")]) == 2  # one or the other
 
 
 def test_world_batches_label_each_answer_of_the_world_text(tmp_path):
