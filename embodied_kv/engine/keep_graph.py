@@ -109,7 +109,8 @@ class _Buffers:
 
 class GraphKeep:
     """The `keep` method (kv/memory_methods.py) replayed from graphs: `prefill` has the
-    methods' interface; eager KEEP where a segment has no cached block."""
+    methods' interface; eager KEEP where a segment has no cached block, the memory is
+    empty or the request is not over the runner's arena and model."""
 
     grouped, cached = True, True
 
@@ -127,7 +128,8 @@ class GraphKeep:
     @torch.no_grad()
     def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
-        if any(p.block is None for p in lay.placed) or not lay.segments():
+        graphable = arena is self.runner.arena and model.backbone is self.runner.model.backbone
+        if not graphable or any(p.block is None for p in lay.placed) or not lay.segments():
             out = self.eager.prefill(model, arena, slot, lay, frame)  # nothing to graph
             self.last = None
             return out

@@ -48,6 +48,9 @@ class StreamRig:
         goal, _ = self.stream.query(1 + request % 2, texts)
         return layout(self.model, self.memory.units(), self.memory.blocks, goal)
 
+    def layout_of(self, blocks, goal="where is the red box ?"):
+        return layout(self.model, self.memory.units(), blocks, goal)
+
     def run(self, method, lay):
         """-> (logits, the request slot's K and V rows)."""
         slot = self.arena.allocate()
@@ -133,17 +136,22 @@ def test_the_shape_bounds_every_selection_and_follows_the_ratios(world_model):
     assert shape.query == lay.n - lay.query_start
 
 
-def test_a_segment_without_a_cached_block_runs_eager_keep(world_model):
+def test_without_a_cached_block_or_over_another_arena_it_runs_eager_keep(world_model):
     rig = StreamRig(world_model, 10, seed=3)
     lay = rig.next_layout(0)
     key = lay.placed[0].unit.key
     blocks = {k: b for k, b in rig.memory.blocks.items() if k != key}
-    lay = layout(world_model, rig.memory.units(), blocks, "where is the red box ?")
+    lay = rig.layout_of(blocks)
     runner = GraphRunner(world_model, rig.arena, "emulate")
     got, want = rig.run(GraphKeep(runner), lay), rig.run(keep(), lay)
     for x, y in zip(got, want, strict=True):
         assert torch.equal(x, y)
-    assert runner.captures == 0
+    elsewhere = GraphRunner(world_model, world_model.new_arena(2, 64), "emulate")
+    got = rig.run(GraphKeep(elsewhere), rig.layout_of(rig.memory.blocks))  # not its arena
+    want = rig.run(keep(), rig.layout_of(rig.memory.blocks))
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
+    assert runner.captures == elsewhere.captures == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs CUDA")
