@@ -208,7 +208,8 @@ def run_segments(model, n: int, args, device: str) -> dict:
             row["same_answer"].append(tokens[0] == reference[0])
             if stats is not None:
                 row["active"].append(stats.active)
-    return {"methods": out, "refresh": refresh, "static_groups": sum(
+    failed = [f"{m.name}: {m.failed}" for m in family if getattr(m, "failed", None)]
+    return {"methods": out, "refresh": refresh, "failed": failed, "static_groups": sum(
         u.key.startswith("group:") for u in grouped.units()), "groups": len(grouped.groups),
         "counters": vars(grouped.counters)}  # fmt: skip
 
@@ -324,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in [int(x) for x in args.segments.split(",")]:
         raw = run_segments(model, n, args, args.device)
         rows += summarise(n, raw)
-        extra[str(n)] = {k: raw[k] for k in ("static_groups", "groups", "counters")}
+        extra[str(n)] = {k: raw[k] for k in ("static_groups", "groups", "counters", "failed")}
+        for reason in raw["failed"]:  # a graph row that ran eagerly: its rows say so
+            print(f"at {n} segments {reason}")
     keys = ["ttft_ms", "speedup_vs_full", "compute_share", "refresh_ms", "one_hop", "two_hop",
             "agree", "same_answer", "captures"]  # fmt: skip
     print_table(["N", "method", *keys], [[r["segments"], r["method"], *[r[k] for k in keys]]

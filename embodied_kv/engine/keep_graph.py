@@ -35,6 +35,7 @@ full recomputation's layers over the graph's packed step (bytes, tested).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -123,13 +124,16 @@ class GraphKeep:
         self.images = ImageCache(device=runner.arena.device)
         self.graphs: dict[GraphShape, _Buffers] = {}
         self.last: tuple[PromptLayout, _Buffers] | None = None  # None: the last ran eagerly
+        self.failed: str | None = None  # why graphs were given up (a capture failed)
         self.eager = keep(self.cfg)
 
     @torch.no_grad()
     def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
         graphable = arena is self.runner.arena and model.backbone is self.runner.model.backbone
-        if not graphable or any(p.block is None for p in lay.placed) or not lay.segments():
+        if self.failed or not graphable or any(p.block is None for p in lay.placed) or (
+            not lay.segments()
+        ):
             out = self.eager.prefill(model, arena, slot, lay, frame)  # nothing to graph
             self.last = None
             return out
@@ -137,7 +141,15 @@ class GraphKeep:
         buf = self.graphs.get(shape) or _Buffers(model, arena, shape)
         self._load(model, arena, slot, lay, shape, buf)
         if buf.replay is None:
-            buf.replay, buf.logits = self.runner.graph_of(lambda: self._forward(model, shape, buf))
+            try:
+                buf.replay, buf.logits = self.runner.graph_of(
+                    lambda: self._forward(model, shape, buf))  # fmt: skip
+            except RuntimeError as e:  # a capture the device refused: eager from now on
+                if self.runner.mode == "emulate":
+                    raise  # emulation refuses a host read: a bug to surface, not to route round
+                self.failed = f"graph capture failed, eager KEEP from now on: {e}"
+                warnings.warn(self.failed, stacklevel=2)
+                return self.prefill(model, arena, slot, lay, frame)
         self.graphs.pop(shape, None)
         self.graphs[shape] = buf  # the most recently used last
         while len(self.graphs) > self.max_shapes:  # its graph and buffers go with it

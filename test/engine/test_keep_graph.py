@@ -5,6 +5,7 @@ recomputation."""
 
 import collections
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,28 @@ def test_the_graphs_kept_are_bounded_least_recently_used_first(world_model):
     assert runner.captures == 4 and list(graphed.graphs) == [shapes[2], shapes[1]]
     with pytest.raises(ValueError, match="at least one"):
         GraphKeep(runner, max_shapes=0)
+
+
+def test_a_refused_capture_falls_back_to_eager_keep_for_good(world_model, monkeypatch):
+    """A capture the device refuses (a CUDA error at capture) costs the plan nothing: the
+    request and every later one run eager KEEP, and the reason is kept."""
+    rig = StreamRig(world_model, 10, seed=8)
+    runner = GraphRunner(world_model, rig.arena, "emulate")
+    graphed = GraphKeep(runner)
+
+    def refuse(fn):
+        runner.captures += 1
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "graph_of", refuse)
+    monkeypatch.setattr(runner, "mode", "cuda")  # emulation re-raises: a host read is a bug
+    for r in range(2):
+        lay = rig.next_layout(r)
+        with pytest.warns(UserWarning, match="capture failed") if r == 0 else nullcontext():
+            got = rig.run(graphed, lay)
+        eager = keep()
+        want = rig.run(eager, lay)
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x, y)
+        assert graphed.stats.active == eager.stats.active
+    assert runner.captures == 1 and "not permitted" in graphed.failed
