@@ -19,7 +19,11 @@ text only), the form the world model's plan samples give it.
 `<colour> <movable> <colour> <container> .` (in random order); every query asks for a
 movable's place, `Query <colour> <movable> : <place>`: its container's fact, then that
 container's place, in one forward pass. `layers` changes the backbone's depth (the world
-model has 4): whether two lookups in a row need more layers than one."""
+model has 4): whether two lookups in a row need more layers than one. `data="chain-cot"`:
+the same facts, but the answer names the container first,
+`Query <colour> <movable> : <colour> <container> <place>`, labelled at every answer word:
+two one-hop lookups, the second keyed by words just written (as a plan that says where
+the key is before where that is)."""
 
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 
 SHAPES = MOVABLES + CONTAINERS
 ESCAPE_ACC = 0.6  # mean accuracy over a log window above this: the lookup is learned
+CHAINS = ("chain", "chain-cot")  # two-hop data: the place at once, or the container first
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,13 @@ class ProbeConfig:
     data: str = "pairs"  # or "world", "chain"
 
     def __post_init__(self):
-        if self.data == "chain" and not 2 <= self.pairs <= 2 * len(COLOURS) * len(CONTAINERS):
+        if self.data in CHAINS and not 2 <= self.pairs <= 2 * len(COLOURS) * len(CONTAINERS):
             raise ValueError(f"chain: pairs in [2, {2 * len(COLOURS) * len(CONTAINERS)}]: {self}")
-        if self.data not in ("pairs", "world", "chain") or (
+        if self.data not in ("pairs", "world", *CHAINS) or (
             self.data == "world" and not 2 <= self.pairs <= 8
         ):
-            raise ValueError(f"data 'pairs', 'chain' or 'world' (2 .. 8 containers): {self}")
+            raise ValueError(f"data 'pairs', 'chain', 'chain-cot' or 'world' (2 .. 8 "
+                             f"containers): {self}")  # fmt: skip
         if not 1 <= self.pairs <= len(COLOURS) * len(SHAPES) or self.queries < 1:
             raise ValueError(f"pairs in [1, {len(COLOURS) * len(SHAPES)}], queries >= 1: "
                              f"{self}")  # fmt: skip
@@ -103,7 +109,7 @@ def lookup_batch(gen: torch.Generator, words: dict, cfg: ProbeConfig):
 
 
 def chain_batch(gen: torch.Generator, words: dict, cfg: ProbeConfig):
-    """-> ids [B, L], labels [B, L]: two-hop lookups (module doc), the label at each ':'."""
+    """-> ids [B, L], labels [B, L]: two-hop lookups (module doc), labelled from each ':'."""
     n_box = max(1, cfg.pairs // 2)  # containers; the other facts are movables
     n_mov = cfg.pairs - n_box
     colour, place = torch.tensor(words["colour"]), torch.tensor(words["place"])
@@ -120,9 +126,11 @@ def chain_batch(gen: torch.Generator, words: dict, cfg: ProbeConfig):
         ids = [t for i in torch.randperm(len(facts), generator=gen).tolist() for t in facts[i]]
         lab = [IGNORE] * len(ids)
         for m in torch.randint(n_mov, (cfg.queries,), generator=gen).tolist():
-            answer = int(at[inside[m]])
-            ids += [query, *mov[m].tolist(), colon, answer]
-            lab += [IGNORE, IGNORE, IGNORE, answer, IGNORE]
+            answer = [int(at[inside[m]])]
+            if cfg.data == "chain-cot":
+                answer = [*box[inside[m]].tolist(), *answer]
+            ids += [query, *mov[m].tolist(), colon, *answer]
+            lab += [IGNORE, IGNORE, IGNORE, *answer, IGNORE]
         rows.append(ids)
         labels.append(lab)
     return torch.tensor(rows), torch.tensor(labels)
@@ -183,7 +191,7 @@ def run_probe(model, cfg: ProbeConfig, on_record=None) -> list[dict]:
     for step in range(1, cfg.steps + 1):
         if cfg.data == "world":
             ids, labels = world_batch(gen, model.tokenizer, cfg)
-        elif cfg.data == "chain":
+        elif cfg.data in CHAINS:
             ids, labels = chain_batch(gen, words, cfg)
         else:
             ids, labels = lookup_batch(gen, words, cfg)
@@ -223,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=ProbeConfig.pairs,
                    help="facts per sequence (world: most containers per stream)")
     p.add_argument("--data", default="pairs",
-                   help="pairs (bare facts), chain (two hops, bare) or world (its text)")
+                   help="pairs (bare facts), chain (two hops, bare), chain-cot (two hops, the "
+                   "container named first) or world (its text)")
     p.add_argument("--layers", type=int, default=0,
                    help="backbone depth (0: the preset's; the world model has 4)")
     p.add_argument("--lr", type=float, default=ProbeConfig.lr)

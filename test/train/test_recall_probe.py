@@ -57,6 +57,26 @@ def test_a_chain_label_is_the_place_of_the_queried_movable_s_container(tmp_path)
             assert lab[j] == row[j + 1] == place[holder[movable]]
 
 
+def test_chain_cot_labels_the_container_then_its_place(tmp_path):
+    model = world_model(tmp_path)
+    words = word_ids(model.tokenizer)
+    cfg = ProbeConfig(pairs=6, queries=5, batch=3, data="chain-cot")
+    ids, labels = chain_batch(torch.Generator().manual_seed(2), words, cfg)
+    dot, query, colon = words["frame"]
+    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
+        end = row.index(query)
+        facts = [row[i:j] for i, j in zip([0, *[k + 1 for k in range(end) if row[k] == dot]],
+                                          [k for k in range(end) if row[k] == dot], strict=False)]
+        place = {tuple(f[:2]): f[2] for f in facts if len(f) == 3}
+        holder = {tuple(f[:2]): tuple(f[2:4]) for f in facts if len(f) == 4}
+        at = [j for j, x in enumerate(lab) if x != IGNORE]
+        assert len(at) == 3 * cfg.queries  # container colour, container, place
+        for j in at[::3]:
+            assert row[j] == colon
+            box = holder[(row[j - 2], row[j - 1])]
+            assert lab[j : j + 3] == [*box, place[box]] == row[j + 1 : j + 4]
+
+
 def test_every_label_is_the_place_of_the_queried_key(tmp_path):
     model = world_model(tmp_path)
     words = word_ids(model.tokenizer)
