@@ -217,6 +217,33 @@ def run_probe(model, cfg: ProbeConfig, on_record=None) -> list[dict]:
     return records
 
 
+@torch.no_grad()
+def greedy_place_accuracy(model, cfg: ProbeConfig, seed: int = 10_000) -> float:
+    """Two-hop data, end to end: each query's answer written greedily from its ':' (the
+    facts and the earlier queries as given), right when its last word is the place ->
+    accuracy over a fresh batch. For `chain` that is the first word; for `chain-cot` the
+    place follows the model's own container, not the true one (as a plan decodes)."""
+    if cfg.data not in CHAINS:
+        raise ValueError(f"greedy place accuracy is for {CHAINS}, not {cfg.data!r}")
+    bb = model.backbone
+    bb.eval()
+    words = word_ids(model.tokenizer)
+    ids, labels = chain_batch(torch.Generator().manual_seed(seed), words, cfg)
+    ids, labels = ids.to(model.device), labels.to(model.device)
+    colon = words["frame"][2]
+    width = 3 if cfg.data == "chain-cot" else 1  # answer words
+    starts = (ids[0] == colon).nonzero().view(-1).tolist()  # every row has the same layout
+    right = 0
+    for j in starts:
+        seq = ids[:, : j + 1]
+        for _ in range(width):
+            nxt = lookup_logits(bb, seq)[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+        right += int((seq[:, -1] == ids[:, j + width]).sum())
+    bb.train()
+    return right / (len(starts) * ids.shape[0])
+
+
 def escape_step(records: list[dict]) -> int | None:
     """The first logged step whose window's accuracy passed ESCAPE_ACC (None: never)."""
     return next((r["step"] for r in records if r["acc"] > ESCAPE_ACC), None)
@@ -270,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"embed_std": std, "seed": cfg.seed, "escape_step":
                              escape_step(records), "records": records})  # fmt: skip
                 last = records[-1]
+                end = ""
+                if cfg.data in CHAINS:  # the two-hop answer as a plan writes it
+                    runs[-1]["greedy_place_acc"] = greedy_place_accuracy(model, cfg)
+                    end = f", greedy place accuracy {runs[-1]['greedy_place_acc']:.3f}"
                 print(f"embed_std {std:g} seed {cfg.seed}: escape at step "
                       f"{runs[-1]['escape_step']}, last window acc {last['acc']:.3f} "
-                      f"loss {last['loss']:.3f}", flush=True)  # fmt: skip
+                      f"loss {last['loss']:.3f}{end}", flush=True)  # fmt: skip
     for std in stds:
         arm = [r for r in runs if r["embed_std"] == std]
         escaped = sum(r["escape_step"] is not None for r in arm)

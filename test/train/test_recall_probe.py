@@ -15,7 +15,9 @@ from embodied_kv.train.recall_probe import (
     ProbeConfig,
     chain_batch,
     escape_step,
+    greedy_place_accuracy,
     lookup_batch,
+    lookup_logits,
     run_probe,
     word_ids,
     world_batch,
@@ -75,6 +77,24 @@ def test_chain_cot_labels_the_container_then_its_place(tmp_path):
             assert row[j] == colon
             box = holder[(row[j - 2], row[j - 1])]
             assert lab[j : j + 3] == [*box, place[box]] == row[j + 1 : j + 4]
+
+
+def test_greedy_place_accuracy_decodes_the_answer_as_a_plan_would(tmp_path):
+    """One answer word (`chain`): greedy from each ':' is the teacher-forced argmax there.
+    Three (`chain-cot`): the place is read after the model's own container words."""
+    model = world_model(tmp_path)
+    cfg = ProbeConfig(pairs=6, queries=4, batch=3, data="chain", steps=3)
+    run_probe(model, cfg)
+    ids, labels = chain_batch(torch.Generator().manual_seed(7), word_ids(model.tokenizer), cfg)
+    with torch.no_grad():
+        pred = lookup_logits(model.backbone, ids).argmax(-1)
+    mask = labels != IGNORE
+    forced = float((pred[mask] == labels[mask]).float().mean())
+    assert greedy_place_accuracy(model, cfg, seed=7) == pytest.approx(forced)
+    cot = ProbeConfig(pairs=6, queries=4, batch=3, data="chain-cot")
+    assert 0.0 <= greedy_place_accuracy(model, cot, seed=7) <= 1.0
+    with pytest.raises(ValueError, match="chain"):
+        greedy_place_accuracy(model, ProbeConfig())
 
 
 def test_every_label_is_the_place_of_the_queried_key(tmp_path):
