@@ -99,6 +99,8 @@ _DATA_FLAGS = (
                             ".3,.35,.1,.25)"),
     ("--turns", int, "questions / memory queries per answer or plan sample (default 4)"),
     ("--two-hop-share", float, "share of memory queries that need two lookups (default 0.5)"),
+    ("--two-hop-answer", str, "place (default) or path: a two-hop answer names the container "
+                              "first, 'in the red box on the shelf'"),
 )  # fmt: skip
 
 

@@ -56,6 +56,7 @@ from embodied_kv.kv.selectors import KeepConfig
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.vla import Observation, StepInput, build_model
 from embodied_kv.timing import device_clock, elapsed_ms
+from embodied_kv.world.memory import names_place
 from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "world" / "weights.safetensors"
@@ -202,7 +203,8 @@ def run_segments(model, n: int, args, device: str) -> dict:
             row = out[name]
             row["ttft"].append(ms)
             row["share"].append(share)
-            row["one_hop" if hops == 1 else "two_hop"].append(answer(model, tokens) == truth)
+            right = names_place(answer(model, tokens), truth)
+            row["one_hop" if hops == 1 else "two_hop"].append(right)
             same = [a == b for a, b in zip(tokens, reference, strict=True)]
             row["agree"].append(float(np.mean(same)))
             row["same_answer"].append(tokens[0] == reference[0])

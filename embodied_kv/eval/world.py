@@ -93,7 +93,7 @@ def memory_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
     for i in range(cfg.memory):
         scene, task, mq = memory_item(cfg, i)
         got = answer(runner, scene, task.instruction, mq.prompt, TaskKind.PLAN)
-        right[mq.hops].append(got == mq.answer)
+        right[mq.hops].append(memory.names_place(got, mq.answer))
     return {
         "one_hop": float(np.mean(right[1])) if right[1] else float("nan"),
         "two_hop": float(np.mean(right[2])) if right[2] else float("nan"),

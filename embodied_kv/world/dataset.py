@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodied_kv.world.expert import expert_action, expert_chunk
-from embodied_kv.world.memory import sample_queries
+from embodied_kv.world.memory import ANSWER_FORMS, sample_queries
 from embodied_kv.world.narration import narrate
 from embodied_kv.world.questions import sample_question
 from embodied_kv.world.render import observation_images, patch_labels
@@ -52,6 +52,7 @@ class DataConfig:
     # share of memory queries whose answer is not the last place the facts name (there
     # the recency shortcut, copying that place, is wrong); 0 = as the queries come
     memory_hard: float = 0.0
+    two_hop_answer: str = "place"  # or "path": 'in the <container> on the <place>' (memory.py)
     max_rollout: int = 20  # expert steps before the sampled observation
     perturb: float = 0.3  # share of rollouts that start with random actions (recovery)
 
@@ -65,6 +66,8 @@ class DataConfig:
             raise ValueError(f"shares must be in [0, 1]: {self}")
         if self.horizon < 1 or self.max_rollout < 0 or self.memory_updates < 0:
             raise ValueError(f"bad data config: {self}")
+        if self.two_hop_answer not in ANSWER_FORMS:
+            raise ValueError(f"two_hop_answer {self.two_hop_answer!r}: one of {ANSWER_FORMS}")
         if self.turns < 1 or not 2 <= self.memory_objects <= MAX_OBJECTS:
             raise ValueError(f"turns >= 1 and memory_objects in [2, {MAX_OBJECTS}]: {self}")
 
@@ -115,7 +118,8 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         n_c, n_m = (int(rng.integers(2, cfg.memory_objects + 1)) for _ in range(2))
         updates = int(rng.integers(0, cfg.memory_updates + 1))
         queries = sample_queries(rng, hops, n_c, n_m, updates, cfg.memory_hard)
-        turns = [(q.prompt if i == 0 else q.follow_up, q.answer) for i, q in enumerate(queries)]
+        turns = [(q.prompt if i == 0 else q.follow_up, q.target(cfg.two_hop_answer))
+                 for i, q in enumerate(queries)]  # fmt: skip
     elif kind == "narration":
         turns = [("", narrate(phase, task))]
     return Sample(

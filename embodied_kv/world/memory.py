@@ -6,6 +6,11 @@ container holds them); later facts supersede earlier ones. Queries:
     one hop : 'where is the red box ?'  -> the place in the latest fact about the red box
     two hops: 'where is the blue key ?' -> the key's latest container -> its latest place
 Facts that a container opened or closed change nothing a query asks: distractors.
+
+A two-hop answer is the place ('shelf'), or in the `path` form the way to it, container
+first ('in the red box on the shelf'): then each answer word needs one lookup, the place's
+keyed by the container words just written (`embodied-kv recall-probe --data chain-cot`:
+two lookups in one forward pass were not learned where this form was, README KEEP).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 
 CHANCE = {"one_hop": 1 / len(PLACES), "two_hop": 1 / len(PLACES)}  # place answers
+ANSWER_FORMS = ("place", "path")  # how a two-hop answer is written (module doc)
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,16 @@ class MemoryQuery:
     hops: int
     facts: tuple[str, ...]  # in the order they arrived
     query: str
-    answer: str
+    answer: str  # the place
+    container: str = ""  # two hops: the movable's latest container
+
+    def target(self, form: str = "place") -> str:
+        """The answer text a model is trained to write: `form` 'place' or 'path'."""
+        if form not in ANSWER_FORMS:
+            raise ValueError(f"answer form {form!r}: use one of {ANSWER_FORMS}")
+        if form == "path" and self.hops == 2:
+            return f"in the {self.container} on the {self.answer}"
+        return self.answer
 
     @property
     def prompt(self) -> str:
@@ -100,8 +115,15 @@ def sample_queries(
         if hard > 0 and rng.random() < hard:
             pool = [s for s in pool if answers[h][s] != last] or pool
         s = pool[rng.integers(len(pool))]
-        out.append(MemoryQuery(h, tuple(facts), f"where is the {s} ?", answers[h][s]))
+        box = holder[s] if h == 2 else ""
+        out.append(MemoryQuery(h, tuple(facts), f"where is the {s} ?", answers[h][s], box))
     return out
+
+
+def names_place(got: str, place: str) -> bool:
+    """A model's answer text names `place` as the answer: the place alone, or a path
+    that ends there ('in the red box on the shelf')."""
+    return got == place or (got.startswith("in the ") and got.endswith(f" on the {place}"))
 
 
 def _names(rng: np.random.Generator, shapes: tuple[str, ...], n: int) -> list[str]:

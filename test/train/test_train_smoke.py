@@ -128,12 +128,16 @@ def test_fine_tuning_starts_from_the_given_weights(tmp_path):
     argv = ["train", "--steps", "1", "--batch", "2", "--out", str(out), "--init",
             str(base / WEIGHTS_FILE), "--memory-objects", "8", "--memory-updates", "30",
             "--text-mix", "0.25,0.5,0.05,0.2", "--memory-hard", "0.8", "--turns", "8",
-            "--two-hop-share", "0"]
+            "--two-hop-share", "0.5", "--two-hop-answer", "path"]
     assert main(argv) == 0 and (out / WEIGHTS_FILE).is_file()
+    with safe_open(str(out / "train_state.safetensors"), "pt") as f:
+        data = json.loads(f.metadata()["config"])["data"]
+    assert (data["two_hop_answer"], data["turns"], data["memory_hard"]) == ("path", 8, 0.8)
     assert main(["train", "--steps", "1", "--memory-objects", "99"]) == 2
     assert main(["train", "--steps", "1", "--text-mix", "1,0"]) == 2  # four weights
     assert main(["train", "--steps", "1", "--two-hop-share", "2"]) == 2  # a share
     assert main(["train", "--steps", "1", "--turns", "0"]) == 2
+    assert main(["train", "--steps", "1", "--two-hop-answer", "route"]) == 2
 
 
 def test_embed_std_draws_the_fresh_text_embedding(tmp_path):

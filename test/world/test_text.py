@@ -9,12 +9,12 @@ import pytest
 from embodied_kv.model.prompt import WordTokenizer, format_prompt
 from embodied_kv.train.tokenizer import save_tokenizer
 from embodied_kv.world.dataset import DataConfig, make_sample
-from embodied_kv.world.memory import sample_queries, sample_query
+from embodied_kv.world.memory import names_place, sample_queries, sample_query
 from embodied_kv.world.narration import TEMPLATES, narrate
 from embodied_kv.world.questions import KINDS, LEFT_MARGIN, ask_left, sample_question
 from embodied_kv.world.scene import make_scene
 from embodied_kv.world.tasks import PutTask
-from embodied_kv.world.vocab import vocabulary
+from embodied_kv.world.vocab import PLACES, vocabulary
 
 
 def test_question_answers_match_the_scene():
@@ -47,6 +47,25 @@ def resolve(facts, query):
             holder[m[1]] = m[2]
     thing = re.fullmatch(r"where is the (\w+ \w+) \?", query)[1]
     return place[thing] if thing in place else place[holder[thing]]
+
+
+def test_a_path_answer_names_the_latest_container_then_its_place():
+    for seed in range(100):
+        mq = sample_query(np.random.default_rng(seed), 1 + seed % 2, n_updates=4)
+        assert mq.target() == mq.answer == mq.target("place")
+        if mq.hops == 1:
+            assert mq.target("path") == mq.answer and mq.container == ""
+            continue
+        thing = re.fullmatch(r"where is the (\w+ \w+) \?", mq.query)[1]
+        box = [f for f in mq.facts if f.startswith(f"the {thing} is in the ")][-1].split()[6:8]
+        assert mq.container == " ".join(box)  # the latest holder
+        assert mq.target("path") == f"in the {mq.container} on the {mq.answer}"
+        assert names_place(mq.target("path"), mq.answer) and names_place(mq.answer, mq.answer)
+        other = next(p for p in PLACES if p != mq.answer)
+        assert not names_place(f"in the {mq.container} on the {other}", mq.answer)
+    assert not names_place("shelf please", "shelf") and not names_place("on the shelf", "x")
+    with pytest.raises(ValueError, match="answer form"):
+        mq.target("route")
 
 
 def test_memory_queries_need_the_latest_facts_and_their_hops():
