@@ -31,52 +31,40 @@ def world_model(tmp_path):
     return build_model(world_config("world", 0), "cpu", torch.float32, tokenizer_path=str(tok))
 
 
-def test_a_chain_label_is_the_place_of_the_queried_movable_s_container(tmp_path):
-    """Two hops: the movable's fact names a container, the container's fact its place."""
+def chain_facts(row: list[int], dot: int, query: int):
+    """A chain row's facts -> (facts, {container: place}, {movable: container}), keys and
+    values as word ids."""
+    facts, fact = [], []
+    for t in row[: row.index(query)]:
+        fact.append(t)
+        if t == dot:
+            facts.append(fact)
+            fact = []
+    place = {tuple(f[:2]): f[2] for f in facts if len(f) == 4}
+    holder = {tuple(f[:2]): tuple(f[2:4]) for f in facts if len(f) == 5}
+    return facts, place, holder
+
+
+@pytest.mark.parametrize("data,width", [("chain", 1), ("chain-cot", 3)])
+def test_chain_labels_name_the_movable_s_container_s_place(tmp_path, data, width):
+    """Two hops: the movable's fact names a container, the container's fact its place.
+    `chain` labels the place at each ':', `chain-cot` the container's two words, then it."""
     model = world_model(tmp_path)
     words = word_ids(model.tokenizer)
-    cfg = ProbeConfig(pairs=8, queries=8, batch=4, data="chain")
+    cfg = ProbeConfig(pairs=8, queries=8, batch=4, data=data)
     ids, labels = chain_batch(torch.Generator().manual_seed(5), words, cfg)
     dot, query, colon = words["frame"]
-    places = set(words["place"])
     for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
-        end = row.index(query)
-        facts, fact = [], []
-        for t in row[:end]:
-            fact.append(t)
-            if t == dot:
-                facts.append(fact)
-                fact = []
-        assert len(facts) == cfg.pairs
-        place = {tuple(f[:2]): f[2] for f in facts if len(f) == 4}
-        holder = {tuple(f[:2]): tuple(f[2:4]) for f in facts if len(f) == 5}
-        assert len(place) == len(holder) == 4 and set(place.values()) <= places
+        facts, place, holder = chain_facts(row, dot, query)
+        assert len(facts) == cfg.pairs and len(place) == len(holder) == 4
+        assert set(place.values()) <= set(words["place"])
         at = [j for j, x in enumerate(lab) if x != IGNORE]
-        assert len(at) == cfg.queries
-        for j in at:
+        assert len(at) == width * cfg.queries
+        for j in at[::width]:
             assert row[j] == colon and row[j - 3] == query
-            movable = (row[j - 2], row[j - 1])
-            assert lab[j] == row[j + 1] == place[holder[movable]]
-
-
-def test_chain_cot_labels_the_container_then_its_place(tmp_path):
-    model = world_model(tmp_path)
-    words = word_ids(model.tokenizer)
-    cfg = ProbeConfig(pairs=6, queries=5, batch=3, data="chain-cot")
-    ids, labels = chain_batch(torch.Generator().manual_seed(2), words, cfg)
-    dot, query, colon = words["frame"]
-    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
-        end = row.index(query)
-        facts = [row[i:j] for i, j in zip([0, *[k + 1 for k in range(end) if row[k] == dot]],
-                                          [k for k in range(end) if row[k] == dot], strict=False)]
-        place = {tuple(f[:2]): f[2] for f in facts if len(f) == 3}
-        holder = {tuple(f[:2]): tuple(f[2:4]) for f in facts if len(f) == 4}
-        at = [j for j, x in enumerate(lab) if x != IGNORE]
-        assert len(at) == 3 * cfg.queries  # container colour, container, place
-        for j in at[::3]:
-            assert row[j] == colon
             box = holder[(row[j - 2], row[j - 1])]
-            assert lab[j : j + 3] == [*box, place[box]] == row[j + 1 : j + 4]
+            want = [place[box]] if width == 1 else [*box, place[box]]
+            assert lab[j : j + width] == want == row[j + 1 : j + 1 + width]
 
 
 def test_greedy_place_accuracy_decodes_the_answer_as_a_plan_would(tmp_path):
