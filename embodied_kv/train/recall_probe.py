@@ -63,7 +63,7 @@ class ProbeConfig:
     seed: int = 0  # data order and the redrawn embedding
     embed_std: float = 0.0  # 0: the model's own init (train.loop.TrainConfig.embed_std)
     log_every: int = 100
-    data: str = "pairs"  # or "world", "chain"
+    data: str = "pairs"  # or "world", "chain", "chain-cot"
 
     def __post_init__(self):
         if self.data in CHAINS and not 2 <= self.pairs <= 2 * len(COLOURS) * len(CONTAINERS):
@@ -228,8 +228,8 @@ def greedy_place_accuracy(model, cfg: ProbeConfig, seed: int = 10_000) -> float:
     bb = model.backbone
     bb.eval()
     words = word_ids(model.tokenizer)
-    ids, labels = chain_batch(torch.Generator().manual_seed(seed), words, cfg)
-    ids, labels = ids.to(model.device), labels.to(model.device)
+    ids, _ = chain_batch(torch.Generator().manual_seed(seed), words, cfg)
+    ids = ids.to(model.device)
     colon = words["frame"][2]
     width = 3 if cfg.data == "chain-cot" else 1  # answer words
     starts = (ids[0] == colon).nonzero().view(-1).tolist()  # every row has the same layout
