@@ -47,7 +47,7 @@ from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.memory_methods import keep
 from embodied_kv.kv.recompute import PrefillStats, source_list
-from embodied_kv.kv.selectors import KeepConfig, read_attention, top_segments
+from embodied_kv.kv.selectors import KeepConfig, read_attention, segment_tokens, top_segments
 from embodied_kv.kv.step import Segment, logit_rows, plan_step, to_device_as_one
 from embodied_kv.model.vla import VLA, StepInput
 
@@ -183,17 +183,15 @@ class GraphKeep:
         sources = source_list(lay, row0, pos0)
         image = self.images.pack(sources, model.backbone.rope, arena.device)
         r, s = image.slot_row.shape[0], shape.segments
-        spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)
+        tokens, seg, last = segment_tokens(lay)
         owner = torch.full((shape.n_pad,), s + 1, dtype=torch.int64)
         owner[: lay.n] = s
-        seg = torch.repeat_interleave(torch.arange(s), spans[:, 1])
-        tokens = spans[seg, 0] + torch.arange(len(seg)) - (spans[:, 1].cumsum(0) - spans[:, 1])[seg]
         owner[tokens] = seg
         pad = shape.image_rows - r  # image rows past the request's: the scratch slot
         img_owner = torch.cat([owner[image.slot_row - row0], torch.full((pad,), s)])
         img_slot = torch.cat([torch.full((r,), slot), torch.full((pad,), arena.scratch_slot)])
         img_row = torch.cat([image.slot_row, torch.arange(r, shape.image_rows)])
-        parts = [owner, spans.sum(1) - 1, torch.arange(lay.query_start, lay.n), img_owner,
+        parts = [owner, last, torch.arange(lay.query_start, lay.n), img_owner,
                  img_slot, img_row, torch.tensor([slot])]  # fmt: skip
         for dst, src in zip((buf.owner_of_token, buf.seg_last, buf.query, buf.img_owner,
                              buf.img_slot, buf.img_row, buf.slot),

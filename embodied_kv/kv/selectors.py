@@ -69,16 +69,23 @@ class SegmentIndex:
 
     @staticmethod
     def build(lay: PromptLayout, row0: int, device: torch.device) -> SegmentIndex:
-        spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)  # [S, 2]
-        start, n = spans.unbind(1)
-        s = len(spans)
-        owner = torch.repeat_interleave(torch.arange(s), n)  # [Rm]
-        token = start[owner] + torch.arange(len(owner)) - (n.cumsum(0) - n)[owner]
+        token, owner, last = segment_tokens(lay)
+        s = len(last)
         of_token = torch.full((lay.n,), s, dtype=torch.int64)
         of_token[token] = owner
         rows, owner = to_device_as_one([row0 + token, owner], device)
         end = row0 + int(token.max()) + 1 if s else row0
-        return SegmentIndex(s, start + n - 1, of_token, fixed_mask(lay), rows, owner, end)
+        return SegmentIndex(s, last, of_token, fixed_mask(lay), rows, owner, end)
+
+
+def segment_tokens(lay: PromptLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (token [Rm]: every segment token's prompt index in prompt order, owner [Rm]: its
+    segment, last [S]: each segment's last token), int64 on the host."""
+    spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)  # [S, 2]
+    start, n = spans.unbind(1)
+    owner = torch.repeat_interleave(torch.arange(len(spans)), n)  # [Rm]
+    token = start[owner] + torch.arange(len(owner)) - (n.cumsum(0) - n)[owner]
+    return token, owner, start + n - 1
 
 
 def fixed_mask(lay: PromptLayout) -> torch.Tensor:
