@@ -168,6 +168,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                dynamic_ncols=True)  # fmt: skip
     step = run.step
     first_acc: dict[str, list[int]] = {}  # per kind over the log window: [right, counted]
+    answer_acc: dict[str, list[int]] = {}  # the same over whole answers
     source = StepSamples(
         lambda s: data_at(cfg, data, s), lambda s, i: data_seed(cfg.seed, s, i, cfg.batch),
         cfg.batch, cfg.data_workers,
@@ -197,9 +198,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
             rec = step_record(step, parts, time.perf_counter() - start)
             records.append(rec)
             add_counts(first_acc, rec["first"])
+            add_counts(answer_acc, rec["whole"])
             if step % cfg.log_every == 0:
-                rec["first_acc"] = {k: round(r / n, 3) for k, (r, n) in first_acc.items() if n}
+                rec["first_acc"], rec["answer_acc"] = shares(first_acc), shares(answer_acc)
                 first_acc.clear()
+                answer_acc.clear()
                 with open(log_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             bar.update(1)
@@ -267,13 +270,20 @@ def add_counts(into: dict[str, list[int]], counts: dict[str, list[int]]) -> None
         total[0], total[1] = total[0] + right, total[1] + n
 
 
+def shares(counts: dict[str, list[int]]) -> dict[str, float]:
+    """Per-kind [right, counted] -> right / counted, where anything was counted."""
+    return {k: round(r / n, 3) for k, (r, n) in counts.items() if n}
+
+
 def step_record(step: int, parts: list, seconds: float) -> dict:
     """One step's log record from its buckets' losses (means weighted as in the loss)."""
     n = sum(p.n_samples for p in parts)
     n_text = sum(p.n_text for p in parts) or 1
     first: dict[str, list[int]] = {}
+    whole: dict[str, list[int]] = {}
     for p in parts:
         add_counts(first, p.first_right)
+        add_counts(whole, p.whole_right)
     return {
         "step": step,
         "loss": float(sum(p.total.detach() for p in parts)),
@@ -283,6 +293,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "patch": sum(p.patch * p.n_samples for p in parts) / n,
         "patch_acc": sum(p.patch_acc * p.n_samples for p in parts) / n,
         "first": first,
+        "whole": whole,
         "seconds": round(seconds, 2),
     }
 

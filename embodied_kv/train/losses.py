@@ -8,7 +8,7 @@ engine integrates dx/dt = v from t = 1 to 0 (model/expert.py), which this trains
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ class Losses:
     n_samples: int
     patch: float = 0.0  # auxiliary patch-class cross-entropy (0 without a head)
     patch_acc: float = 0.0
+    # per sample kind: [right, counted] over whole turns, every target token and the EOS
+    # right (a two-hop path answer's first word, "in", says nothing of its place)
+    whole_right: dict[str, list[int]] = field(default_factory=dict)
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -73,9 +76,10 @@ def compute_losses(
         patch = F.cross_entropy(patch_logits.flatten(0, 1), batch.patches.flatten())
         patch_acc = (patch_logits.argmax(-1) == batch.patches).float().mean()
         total = total + patch_weight * patch
+    first, whole = turn_counts(batch, rows, cols, right)
     return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
-                  float(acc), _first_right(batch, rows, cols, right), int(rows.numel()),
-                  batch.size, float(patch.detach()), float(patch_acc))  # fmt: skip
+                  float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
+                  float(patch_acc), whole)  # fmt: skip
 
 
 def per_sample_mean(loss: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -89,16 +93,28 @@ def per_sample_mean(loss: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Ten
     return (total[has] / count[has]).mean()
 
 
-def _first_right(batch: Batch, rows, cols, right) -> dict[str, list[int]]:
-    """Right/counted per kind over each turn's first target token (its label follows an
-    unlabelled position)."""
+def turn_counts(batch: Batch, rows, cols, right) -> tuple[dict, dict]:
+    """Per kind [right, counted] over each turn's first target token (its label follows
+    an unlabelled position), and over whole turns (every token of the turn right)."""
     lab = batch.labels
     prev = torch.where(cols > 0, lab[rows, (cols - 1).clamp(min=0)], IGNORE)
-    first = prev == IGNORE
-    out: dict[str, list[int]] = {}
-    for r, f, ok in zip(rows.tolist(), first.tolist(), right.tolist(), strict=True):
+    first: dict[str, list[int]] = {}
+    whole: dict[str, list[int]] = {}
+    turn: list = []  # [kind, all right so far] of the open turn
+    for r, f, ok in zip(rows.tolist(), (prev == IGNORE).tolist(), right.tolist(),
+                        strict=True):  # fmt: skip
         if f:
-            k = out.setdefault(batch.kinds[r], [0, 0])
-            k[0] += int(ok)
-            k[1] += 1
-    return out
+            if turn:
+                _count(whole, *turn)
+            turn = [batch.kinds[r], True]
+            _count(first, batch.kinds[r], ok)
+        turn[1] = turn[1] and ok
+    if turn:
+        _count(whole, *turn)
+    return first, whole
+
+
+def _count(into: dict[str, list[int]], kind: str, ok: bool) -> None:
+    k = into.setdefault(kind, [0, 0])
+    k[0] += int(ok)
+    k[1] += 1
