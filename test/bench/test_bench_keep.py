@@ -62,6 +62,10 @@ def test_the_verdict_quotes_the_paired_error_of_the_points_lost():
                             ("cacheblend", 0.2, 0.1))]  # fmt: skip
     line = verdict(rows, trained=True)
     assert line.startswith("verdict: FAIL") and f"+25.0 ± {se * 100:.1f} SE points lost" in line
+    # a KEEP above full recomputation has lost nothing (the bound is one-sided)
+    rows[1]["two_hop"] = 0.54
+    line = verdict(rows, trained=True)
+    assert line.startswith("verdict: PASS") and "-4.0 ±" in line and "need <= 3: True" in line
 
 
 def test_the_arena_holds_the_memory_in_a_byte_tokenizer_s_ids():
