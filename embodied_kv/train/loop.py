@@ -18,7 +18,7 @@ from tqdm import tqdm
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.train.batch import make_batch
-from embodied_kv.train.losses import compute_losses
+from embodied_kv.train.losses import add_counts, compute_losses
 from embodied_kv.train.resume import (
     RunState,
     check_fresh,
@@ -261,13 +261,6 @@ def length_buckets(samples: list[Sample], parts: int) -> list[list[Sample]]:
     ordered = sorted(samples, key=length)
     size = -(-len(ordered) // parts)
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
-
-
-def add_counts(into: dict[str, list[int]], counts: dict[str, list[int]]) -> None:
-    """Per-kind [right, counted] pairs of `counts` added into `into`."""
-    for kind, (right, n) in counts.items():
-        total = into.setdefault(kind, [0, 0])
-        total[0], total[1] = total[0] + right, total[1] + n
 
 
 def shares(counts: dict[str, list[int]]) -> dict[str, float]:

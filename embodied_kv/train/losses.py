@@ -105,16 +105,17 @@ def turn_counts(batch: Batch, rows, cols, right) -> tuple[dict, dict]:
                         strict=True):  # fmt: skip
         if f:
             if turn:
-                _count(whole, *turn)
+                add_counts(whole, {turn[0]: [int(turn[1]), 1]})
             turn = [batch.kinds[r], True]
-            _count(first, batch.kinds[r], ok)
+            add_counts(first, {batch.kinds[r]: [int(ok), 1]})
         turn[1] = turn[1] and ok
     if turn:
-        _count(whole, *turn)
+        add_counts(whole, {turn[0]: [int(turn[1]), 1]})
     return first, whole
 
 
-def _count(into: dict[str, list[int]], kind: str, ok: bool) -> None:
-    k = into.setdefault(kind, [0, 0])
-    k[0] += int(ok)
-    k[1] += 1
+def add_counts(into: dict[str, list[int]], counts: dict[str, list[int]]) -> None:
+    """Per-kind [right, counted] pairs of `counts` added into `into`."""
+    for kind, (right, n) in counts.items():
+        total = into.setdefault(kind, [0, 0])
+        total[0], total[1] = total[0] + right, total[1] + n
