@@ -114,8 +114,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     try:
         given = {k: getattr(args, k)
-                 for k in ("batch", "lr", "threads", "curriculum", "warmup", "data_workers",
-                           "embed_std", "until", "stop_after")}
+                 for k in ("batch", "buckets", "lr", "threads", "curriculum", "warmup",
+                           "data_workers", "embed_std", "until", "stop_after")}
         data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
         cfg = TrainConfig(
             out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=0, help="0: until --minutes runs out")
     tr.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget (0: none)")
     tr.add_argument("--batch", type=int, help="default: TrainConfig.batch (train/loop.py)")
+    tr.add_argument("--buckets", type=int,
+                    help="length groups a step is split into (default 2; 4: ~13%% faster on "
+                         "the long memory streams, the same gradient up to fp32 rounding)")
     tr.add_argument("--lr", type=float, help="default: TrainConfig.lr")
     tr.add_argument("--threads", type=int, help="torch CPU threads (default 1)")
     tr.add_argument("--data-workers", type=int,

@@ -87,6 +87,8 @@ class TrainConfig:
                              f"minutes={self.minutes})")  # fmt: skip
         if self.batch < 1 or self.lr <= 0 or self.log_every < 1 or self.ckpt_every < 1:
             raise ValueError(f"bad train config: {self}")
+        if not 1 <= self.buckets <= self.batch:
+            raise ValueError(f"buckets={self.buckets} must be in [1, batch={self.batch}]")
         if self.data_workers < 0:
             raise ValueError(f"data_workers={self.data_workers} must be >= 0")
         if self.curriculum < 0:

@@ -2,6 +2,7 @@
 buckets whose accumulated gradients equal the whole batch's."""
 
 import numpy as np
+import pytest
 import torch
 
 from embodied_kv.model.action_tokens import BinTokenizer
@@ -59,15 +60,16 @@ def test_actions_kind_carries_the_chunk_as_bins_ids(tmp_path):
     assert ok and np.abs(chunk - s.actions).max() <= 1 / 127
 
 
-def test_length_buckets_give_the_whole_batch_gradient(tmp_path):
+@pytest.mark.parametrize("parts", [2, 4])
+def test_length_buckets_give_the_whole_batch_gradient(tmp_path, parts):
     tok_path = save_tokenizer(tmp_path / "tok.json")
     cfg = world_config()
     model = build_model(cfg, tokenizer_path=str(tok_path))
     model.train()
     samples = [make_sample(DataConfig(), s) for s in range(8)]
-    parts = length_buckets(samples, 2)
-    assert sorted(id(s) for p in parts for s in p) == sorted(id(s) for s in samples)
-    assert len(parts) == 2
+    groups = length_buckets(samples, parts)
+    assert sorted(id(s) for p in groups for s in p) == sorted(id(s) for s in samples)
+    assert len(groups) == parts
 
     def grads(groups):
         model.zero_grad()
@@ -78,7 +80,7 @@ def test_length_buckets_give_the_whole_batch_gradient(tmp_path):
             loss.total.backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    whole, split = grads([samples]), grads(parts)
+    whole, split = grads([samples]), grads(groups)
     assert len(whole) == len(split)
     for a, b in zip(whole, split, strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)

@@ -85,6 +85,8 @@ def test_bad_train_config_and_missing_weights(tmp_path):
         load_trained(tmp_path / "none.safetensors")
     with pytest.raises(ValueError, match="curriculum"):
         TrainConfig(steps=1, curriculum=-1)
+    with pytest.raises(ValueError, match="buckets=0"):
+        TrainConfig(steps=1, buckets=0)
 
 
 def test_curriculum_starts_with_one_hop_static_facts():
@@ -97,6 +99,12 @@ def test_curriculum_starts_with_one_hop_static_facts():
 def test_cli_train(tmp_path, capsys):
     assert main(["train", "--steps", "2", "--batch", "2", "--out", str(tmp_path)]) == 0
     assert (tmp_path / WEIGHTS_FILE).is_file() and "trained 2 steps" in capsys.readouterr().out
+    # --buckets reaches the run's config: a resume with another split is refused by name
+    run = ["train", "--steps", "2", "--batch", "4", "--out", str(tmp_path / "b")]
+    assert main([*run, "--buckets", "3", "--until", "1"]) == 0
+    assert main([*run, "--buckets", "2", "--resume"]) == 2
+    assert "buckets: saved 3, now 2" in capsys.readouterr().err
+    assert main([*run, "--buckets", "3", "--resume"]) == 0
 
 
 def test_minutes_budget_stops_on_time_and_anneals_by_time(tmp_path):
