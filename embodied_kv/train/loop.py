@@ -68,7 +68,7 @@ class TrainConfig:
     # model's own init (0.02, as HF initialises Gemma: 0.23 RMS after the scale, while the
     # first layer's fresh branches add 0.80). The bare two-word-key lookup of
     # `embodied-kv recall-probe` left its plateau in 0 of 4 seeds at 0.02 and in 1 of 4 at
-    # width**-0.5 = 0.088 within 1,200 steps (README, "KEEP"). Ignored with `init` (the
+    # width**-0.5 = 0.088 within 1,200 steps (docs/keep_research.md). Ignored with `init` (the
     # file's embedding is kept).
     embed_std: float = 0.0
     # one run in several calls (train/resume.py): `resume` continues the run saved in

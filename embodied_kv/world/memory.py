@@ -10,7 +10,7 @@ Facts that a container opened or closed change nothing a query asks: distractors
 A two-hop answer is the place ('shelf'), or in the `path` form the way to it, container
 first ('in the red box on the shelf'): then each answer word needs one lookup, the place's
 keyed by the container words just written (`embodied-kv recall-probe --data chain-cot`:
-two lookups in one forward pass were not learned where this form was, README KEEP).
+two lookups in one forward pass were not learned where this form was, docs/keep_research.md).
 """
 
 from __future__ import annotations

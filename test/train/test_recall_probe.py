@@ -1,5 +1,5 @@
 """The recall probe: its lookup batches say what they claim, runs are seeded, the CLI
-writes its records (the probe's finding itself is a measurement: README, KEEP)."""
+writes its records (the probe's finding itself is a measurement: docs/keep_research.md)."""
 
 import json
 
