@@ -46,7 +46,7 @@ from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.memory_methods import keep
-from embodied_kv.kv.recompute import PrefillStats, source_list
+from embodied_kv.kv.recompute import PrefillStats, check_uniform, source_list
 from embodied_kv.kv.selectors import KeepConfig, read_attention, segment_tokens, top_segments
 from embodied_kv.kv.step import Segment, logit_rows, plan_step, to_device_as_one
 from embodied_kv.model.vla import VLA, StepInput
@@ -130,6 +130,7 @@ class GraphKeep:
     @torch.no_grad()
     def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
+        check_uniform(arena, slot)
         graphable = arena is self.runner.arena and model.backbone is self.runner.model.backbone
         if self.failed or not graphable or any(p.block is None for p in lay.placed) or (
             not lay.segments()

@@ -9,7 +9,8 @@ the world model's trained format). At admission:
 * `keep`: if the text is still the memory's prompt for its goal, the missing blocks
   are computed (a free slot as the work slot), then the selective prefill places the
   blocks and recomputes what KEEP selects; otherwise (the memory changed since the
-  request, or no work slot is free) the text is prefilled whole, as in `full`.
+  request, no work slot is free, or VL-Cache left the slot's layers with different row
+  counts, where cached rows have no one place) the text is prefilled whole, as in `full`.
 """
 
 from __future__ import annotations
@@ -65,13 +66,18 @@ class MemoryPlanner:
             self.fallbacks += 1
             return None
 
+        def whole(slot: int) -> torch.Tensor:
+            self.fallbacks += 1
+            return self.model.append(arena, slot, torch.tensor(encode(self.model, text)))
+
         def prefill(slot: int) -> torch.Tensor:
+            if not arena.uniform(slot):  # VL-Cache compressed the frame's prefix per layer
+                return whole(slot)
             units = self.memory.units()
             if any(u.key not in self.memory.blocks for u in units):
                 work = arena.allocate()
                 if work is None:
-                    self.fallbacks += 1
-                    return self.model.append(arena, slot, torch.tensor(encode(self.model, text)))
+                    return whole(slot)
                 try:
                     compute = lambda texts: compute_block(self.model, arena, work, texts)  # noqa: E731
                     self.memory.refresh(compute, units)

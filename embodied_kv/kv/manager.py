@@ -206,12 +206,13 @@ class KVCacheManager:
         req = Request(request_id, kind, fp.frame, slot, max_new_tokens, [])
         req.generator, req.temperature = generator, temperature
         if prefill is not None:
+            lengths, pos = self.arena.length[:, slot].clone(), self.arena.next_pos[slot].clone()
             try:
                 logits = prefill(slot)
             except BaseException:
-                if slot == fp.slot:
+                if slot == fp.slot:  # per layer as it was: VL-Cache may have compressed it
                     fp.adopted = False
-                    self.arena.truncate(slot, fp.prefix_len)
+                    self.arena.length[:, slot], self.arena.next_pos[slot] = lengths, pos
                 else:
                     self.arena.release(slot)
                 raise

@@ -77,6 +77,7 @@ def selective_prefill(
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Append `lay` to `slot` -> (logits [V] after its last token, stats). `images`: the
     caller's image of its previous request, updated instead of packed anew."""
+    check_uniform(arena, slot)
     backbone = model.backbone
     n, num_layers = lay.n, len(backbone.layers)
     plan = plan_step(arena, [Segment(slot, n, causal=True)])
@@ -132,6 +133,17 @@ def _layers(model: VLA, arena: KVArena, slot: int, lay: PromptLayout, selector: 
     arena.next_pos[slot] += n
     logits = backbone.logits(backbone.norm(x), step.last_index)[0]
     return logits, stats
+
+
+def check_uniform(arena: KVArena, slot: int) -> None:
+    """Cached rows are placed at one slot row for every layer (`row0`): a slot whose
+    layers hold different row counts (VL-Cache compressed it) would get them at the wrong
+    rows in some layers. ValueError, before anything is written."""
+    if not arena.uniform(slot):
+        raise ValueError(
+            f"slot {slot} holds {arena.length[:, slot].tolist()} rows per layer: a selective "
+            f"prefill needs the same count in every layer (prefill the text whole)"
+        )
 
 
 def source_list(lay: PromptLayout, row0: int, pos0: int) -> list[Source]:

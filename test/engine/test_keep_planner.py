@@ -2,9 +2,11 @@
 recomputation when KEEP recomputes everything, and the memory (segments, groups, host-tier
 blocks) inside the session's capsules."""
 
+import pytest
 import torch
 
 from embodied_kv.engine.engine import EPISODE_START, Engine, EngineConfig
+from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.kv.manager import Status
 from embodied_kv.kv.memory import MemoryConfig, MemoryOp
 from embodied_kv.kv.selectors import KeepConfig
@@ -118,3 +120,52 @@ def test_keep_graphs_in_the_engine_plan_what_eager_keep_plans(tiny_model):
         finally:
             tiny_model.graphs = None
     assert texts[0] == texts[1]
+
+
+def test_a_plan_over_a_compressed_prefix_is_prefilled_as_text(tiny_model, monkeypatch):
+    """VL-Cache leaves the frame's slot with a row count per layer, where cached memory rows
+    have no one slot row: the plan is prefilled as text (counted), the same tokens as
+    `full` over the same compressed prefix, and the prefix rows are left as they were."""
+    seen = []
+    append = tiny_model.append
+
+    def spy(arena, slot, ids):
+        lengths = arena.length[:, slot].clone()
+        prefix = [arena.k[i, slot, : int(n)].clone() for i, n in enumerate(lengths)]
+        out = append(arena, slot, ids)
+        kept = all(torch.equal(arena.k[i, slot, : len(p)], p) for i, p in enumerate(prefix))
+        seen.append((lengths.tolist(), kept))
+        return out
+
+    monkeypatch.setattr(tiny_model, "append", spy)
+    texts = {}
+    for mode in ("full", "keep"):
+        engine = make_engine(tiny_model, mode, compress=CompressConfig(budget=0.3))
+        ev = plan(engine)
+        assert ev.status is Status.OK
+        texts[mode] = ev.text
+    assert texts["keep"] == texts["full"]
+    assert engine.planner.fallbacks == 1 and len(seen) == 1
+    lengths, kept = seen[0]
+    assert len(set(lengths)) > 1 and kept  # it was compressed; the prefix untouched
+
+
+def test_a_failed_plan_prefill_restores_the_compressed_frame_slot(tiny_model, monkeypatch):
+    """The adopted frame slot gets its per-layer row counts back when a plan's prefill
+    fails (a truncation to the uncompressed prefix length would refuse them)."""
+    engine = make_engine(tiny_model, compress=CompressConfig(budget=0.3))
+    seen = []
+
+    def boom(arena, slot, ids):
+        seen.append((slot, arena.length[:, slot].clone(), arena.next_pos[slot].clone()))
+        arena.length[:, slot] += 5  # a prefill that wrote rows, then failed
+        arena.next_pos[slot] += 5
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(tiny_model, "append", boom)
+    with pytest.raises(RuntimeError, match="device fault"):
+        plan(engine)
+    slot, lengths, pos = seen[0]
+    arena = engine.manager.arena
+    assert len(set(lengths.tolist())) > 1  # compressed before the prefill
+    assert torch.equal(arena.length[:, slot], lengths) and arena.next_pos[slot] == pos

@@ -94,6 +94,21 @@ def test_keep_at_ratio_one_everywhere_is_full_recomputation_in_bytes(world_model
     assert everything.stats.active == [rig.layout().n] * world_model.cfg.backbone.layers
 
 
+def test_a_slot_with_per_layer_row_counts_is_refused_before_anything_is_written(world_model):
+    """VL-Cache leaves a slot's layers with different row counts; cached rows placed at
+    one slot row for every layer would land at the wrong rows in some: refused."""
+    rig = Rig(world_model)
+    slot = rig.arena.allocate()
+    rig.arena.copy_slot(rig.frame, slot)
+    rig.arena.length[1, slot] -= 3  # as a compressed prefix leaves it
+    before = rig.arena.length.clone(), rig.arena.next_pos.clone(), rig.arena.k.clone()
+    for method in (keep(), keep(KeepConfig(hops=0))):
+        with pytest.raises(ValueError, match="rows per layer"):
+            method.prefill(world_model, rig.arena, slot, rig.layout())
+    after = rig.arena.length, rig.arena.next_pos, rig.arena.k
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 def test_keep_recomputes_whole_segments_fewer_with_depth(world_model):
     rig = Rig(world_model)
     lay = rig.layout()
