@@ -6,7 +6,7 @@ tensor's contents) as it was at capture. A replay relaunches the same kernels ov
 whatever those buffers hold now. Reading a device value on the host during capture
 (`int(t)`, `t.item()`, `t.tolist()`) is a sync, which a capture refuses.
 
-`record` does the same one level up, on any device: it runs the function once under a
+`record` does the same one level up, on the CPU: it runs the function once under a
 dispatch mode that records every tensor op (aten and custom ops such as the attention
 kernel, which stays opaque as a kernel launch does) with its arguments. A tensor made
 by an earlier recorded op becomes a reference to that op's output; any other tensor

@@ -16,12 +16,15 @@ below), so a capsule restore, which copies into the arena, needs no recapture.
 
 Modes:
   "cuda"     torch.cuda.graph capture and replay (the product).
-  "emulate"  everything but the CUDA call, on any device: the same static buffers, the
+  "emulate"  everything but the CUDA call, on the CPU: the same static buffers, the
              same plan copies, the same bucketed functions. Capture records the tensor
              ops the function runs over those buffers (engine/graph_emulation.py); replay
              reruns them. Like a CUDA capture, that freezes every host-side value (a
              Python int, a list, a host tensor's contents) and refuses reading a tensor's
-             value on the host, so CPU tests catch what would break a replay.
+             value on the host, so CPU tests catch what would break a replay. CPU only:
+             on CUDA the Triton kernels (RoPE, RMSNorm, GELU gate) launch outside torch's
+             dispatcher, so a recording would keep their outputs' allocation and not the
+             kernel, and a replay would read memory nobody wrote.
   "off"      no graphs: every call returns None and the caller runs eagerly (the CPU
              default in production).
 """
@@ -95,6 +98,9 @@ class GraphRunner:
             raise ValueError(f"graph mode {mode!r}: expected one of {MODES}")
         if mode == "cuda" and arena.device.type != "cuda":
             raise ValueError(f"graph mode 'cuda' needs a CUDA arena, got {arena.device}")
+        if mode == "emulate" and arena.device.type != "cpu":
+            raise ValueError(f"graph mode 'emulate' runs on the CPU (its recording misses "
+                             f"the Triton kernels), got a {arena.device} arena: use 'cuda'")
         self.model, self.arena, self.mode = model, arena, mode
         self.enabled = mode != "off"
         # a bucket b serves n tokens when its padding b - n fits the scratch slot (max_len

@@ -49,7 +49,7 @@ class MemoryPlanner:
         self.model, self.memory, self.mode = model, memory, mode
         self.keep_cfg = keep_cfg or KeepConfig()
         self.method = keep(self.keep_cfg)
-        self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot)
+        self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot, compressed)
 
     def use_graphs(self, runner: GraphRunner) -> None:
         """KEEP's prefill replayed from one graph per prompt shape (engine/keep_graph.py):

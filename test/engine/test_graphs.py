@@ -14,6 +14,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -120,6 +121,9 @@ def test_off_mode_runs_nothing_and_bad_modes_are_refused(tiny_model):
     if arena.device.type != "cuda":
         with pytest.raises(ValueError, match="needs a CUDA arena"):
             GraphRunner(tiny_model, arena, mode="cuda")
+    # emulation records torch ops: on a device, Triton kernels would run unrecorded
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        GraphRunner(tiny_model, SimpleNamespace(device=torch.device("meta")), mode="emulate")
 
 
 @pytest.mark.skipif(ROW_BUCKET == 32, reason="this process pads to 32 rows: the tests run so")
