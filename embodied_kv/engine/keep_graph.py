@@ -253,7 +253,9 @@ class GraphKeep:
 def _narrow(full, keep: torch.Tensor, row_of: torch.Tensor, x: torch.Tensor, m: int,
             arena: KVArena):  # fmt: skip
     """The kept tokens first (prompt order), then padding to m rows on the scratch slot:
-    -> (the next layer's step, its x [m, W], each prompt token's row of it)."""
+    -> (the next layer's step, its x [m, W], each prompt token's row of it). Padding row
+    j writes scratch row j - count and reads up to it: the bound m is set by the longest
+    segments, so there can be hundreds of padding rows, and at row j each would read j."""
     order = torch.sort((~keep).to(torch.uint8), stable=True).indices[:m]  # [m] prompt tokens
     count = keep.sum()
     j = torch.arange(m, device=x.device)
@@ -263,8 +265,8 @@ def _narrow(full, keep: torch.Tensor, row_of: torch.Tensor, x: torch.Tensor, m: 
         segments=full.segments, n_real=m,
         slot=torch.where(real, full.slot[order], scratch),
         position=torch.where(real, full.position[order], 0),
-        row=torch.where(real, full.row[:, order], j),
-        kv_len=torch.where(real, full.kv_len[:, order], j + 1),
+        row=torch.where(real, full.row[:, order], j - count),
+        kv_len=torch.where(real, full.kv_len[:, order], j - count + 1),
         kv_len_host=None, runs=None, last=[],
         last_index=(count - 1).expand(logit_rows(arena)),
     )  # fmt: skip
