@@ -108,22 +108,29 @@ def _field(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from embodied_kv.train.loop import TrainConfig, run_done, train
+def train_config(args: argparse.Namespace):
+    """`embodied-kv train`'s flags -> TrainConfig (ValueError naming a bad value)."""
+    from embodied_kv.train.loop import TrainConfig
     from embodied_kv.world.dataset import DataConfig
 
+    given = {k: getattr(args, k)
+             for k in ("batch", "buckets", "lr", "threads", "curriculum", "warmup",
+                       "data_workers", "embed_std", "until", "stop_after")}  # fmt: skip
+    data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
+    return TrainConfig(
+        out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
+        ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
+        resume=args.resume, overwrite=args.overwrite,
+        data=DataConfig(**{k: v for k, v in data.items() if v is not None}),
+        **{k: v for k, v in given.items() if v is not None},
+    )  # fmt: skip
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from embodied_kv.train.loop import run_done, train
+
     try:
-        given = {k: getattr(args, k)
-                 for k in ("batch", "buckets", "lr", "threads", "curriculum", "warmup",
-                           "data_workers", "embed_std", "until", "stop_after")}
-        data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
-        cfg = TrainConfig(
-            out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
-            ckpt_every=args.ckpt_every, device=args.device, init=args.init or "",
-            resume=args.resume, overwrite=args.overwrite,
-            data=DataConfig(**{k: v for k, v in data.items() if v is not None}),
-            **{k: v for k, v in given.items() if v is not None},
-        )  # fmt: skip
+        cfg = train_config(args)
     except ValueError as e:
         print(f"embodied-kv train: {e}", file=sys.stderr)
         return 2
