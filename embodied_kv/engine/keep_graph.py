@@ -47,7 +47,14 @@ from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.memory_methods import keep
 from embodied_kv.kv.recompute import PrefillStats, check_uniform, source_list
-from embodied_kv.kv.selectors import KeepConfig, read_attention, segment_tokens, top_segments
+from embodied_kv.kv.selectors import (
+    KeepConfig,
+    read_attention,
+    segment_bounds,
+    segment_sums,
+    segment_tokens,
+    top_segments,
+)
 from embodied_kv.kv.step import Segment, logit_rows, plan_step, to_device_as_one
 from embodied_kv.model.vla import VLA, StepInput
 
@@ -94,7 +101,7 @@ class _Buffers:
         self.query = torch.zeros(shape.query, **i64)  # prompt tokens of the query
         self.slot = torch.zeros(1, **i64)  # the request's slot
         r = shape.image_rows
-        self.img_owner = torch.full((r,), s, **i64)  # segment of each image row; S: padding
+        self.img_bounds = torch.zeros(s + 1, **i64)  # segment j: image rows [j] to [j + 1]
         self.img_slot = torch.full((r,), arena.scratch_slot, **i64)
         self.img_row = torch.arange(r, **i64)  # slot row of each image row
         spec = arena.spec
@@ -189,12 +196,12 @@ class GraphKeep:
         owner[: lay.n] = s
         owner[tokens] = seg
         pad = shape.image_rows - r  # image rows past the request's: the scratch slot
-        img_owner = torch.cat([owner[image.slot_row - row0], torch.full((pad,), s)])
+        img_bounds = segment_bounds(owner[image.slot_row - row0], s)  # image: prompt order
         img_slot = torch.cat([torch.full((r,), slot), torch.full((pad,), arena.scratch_slot)])
         img_row = torch.cat([image.slot_row, torch.arange(r, shape.image_rows)])
-        parts = [owner, last, torch.arange(lay.query_start, lay.n), img_owner,
+        parts = [owner, last, torch.arange(lay.query_start, lay.n), img_bounds,
                  img_slot, img_row, torch.tensor([slot])]  # fmt: skip
-        for dst, src in zip((buf.owner_of_token, buf.seg_last, buf.query, buf.img_owner,
+        for dst, src in zip((buf.owner_of_token, buf.seg_last, buf.query, buf.img_bounds,
                              buf.img_slot, buf.img_row, buf.slot),
                             to_device_as_one(parts, arena.device), strict=True):  # fmt: skip
             dst.copy_(src, non_blocking=True)
@@ -232,15 +239,14 @@ class GraphKeep:
                 computed: torch.Tensor, shape: GraphShape, buf: _Buffers,
                 arena: KVArena) -> torch.Tensor:  # fmt: skip
         """KeepSelector's multi-hop choice on the device -> [S] bool: computed at i + 1."""
-        s, k = shape.segments, shape.keep[i + 1]
+        k = shape.keep[i + 1]
         if k == 0:  # header and query alone from here on
             return torch.zeros_like(computed)
         src = torch.cat([row_of[buf.query], row_of[buf.seg_last]])  # rows of q
         lens = step.kv_len[i].index_select(0, src)
         keys = arena.k[i].index_select(0, buf.slot)[0]  # [T, Hkv, D] the request's slot
         probs = read_attention(q.index_select(0, src), keys, lens)  # [m, T]
-        mass = torch.zeros(len(src), s + 1, device=q.device)
-        mass = mass.index_add_(1, buf.img_owner, probs.index_select(1, buf.img_row))[:, :s]
+        mass = segment_sums(probs.index_select(1, buf.img_row), buf.img_bounds)  # [m, S]
         q_mass, rows = mass[: shape.query].mean(0), mass[shape.query :]
         off = torch.full_like(q_mass, float("-inf"))
         chosen = top_segments(torch.where(computed, q_mass, off), k)

@@ -12,8 +12,11 @@
 
 Token sets are host masks over the prompt ([n] bool, kv/recompute.py). A prompt's
 segments become index tensors once per request (`SegmentIndex`), so a layer's
-selection is a fixed number of tensor ops (segment sums by index_add_, top-k on the
-device) and one sync for the answer, whatever the number of segments.
+selection is a fixed number of tensor ops (segment sums, top-k on the device) and one
+sync for the answer, whatever the number of segments. Segment sums are differences of
+an fp64 running sum over each segment's columns (`segment_sums`), not `index_add_`,
+whose atomics on CUDA add in a different order each run: the same request chooses the
+same segments on every run, in eager mode and from a graph.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class SegmentIndex:
     of_token: torch.Tensor  # [n] int64 host: segment of each prompt token; S: header, query
     fixed: torch.Tensor  # [n] bool host: header and query (always computed)
     rows: torch.Tensor  # [Rm] int64 device: slot row of every segment token, prompt order
-    owner: torch.Tensor  # [Rm] int64 device: its segment
+    bounds: torch.Tensor  # [S + 1] int64 device: segment j's tokens are rows[bounds[j]:bounds[j+1]]
     end: int  # slot row after the last segment token
 
     @staticmethod
@@ -73,9 +76,9 @@ class SegmentIndex:
         s = len(last)
         of_token = torch.full((lay.n,), s, dtype=torch.int64)
         of_token[token] = owner
-        rows, owner = to_device_as_one([row0 + token, owner], device)
+        rows, bounds = to_device_as_one([row0 + token, segment_bounds(owner, s)], device)
         end = row0 + int(token.max()) + 1 if s else row0
-        return SegmentIndex(s, last, of_token, fixed_mask(lay), rows, owner, end)
+        return SegmentIndex(s, last, of_token, fixed_mask(lay), rows, bounds, end)
 
 
 def segment_tokens(lay: PromptLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,6 +89,24 @@ def segment_tokens(lay: PromptLayout) -> tuple[torch.Tensor, torch.Tensor, torch
     owner = torch.repeat_interleave(torch.arange(len(spans)), n)  # [Rm]
     token = start[owner] + torch.arange(len(owner)) - (n.cumsum(0) - n)[owner]
     return token, owner, start + n - 1
+
+
+def segment_bounds(owner: torch.Tensor, count: int) -> torch.Tensor:
+    """Columns owned by segments 0..count-1, in order (`owner` [R] int64 host,
+    non-decreasing; values >= count: not a segment's, after them) -> [count + 1] int64
+    host: segment j owns columns bounds[j]:bounds[j + 1]."""
+    if len(owner) > 1 and bool((owner[1:] < owner[:-1]).any()):
+        raise ValueError("segment columns must be in segment order")
+    return torch.searchsorted(owner, torch.arange(count + 1))
+
+
+def segment_sums(values: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Each row's sum over each segment's columns ([m, R], `bounds` [S + 1] from
+    `segment_bounds` on values' device) -> [m, S] fp32. A running sum in fp64, then
+    differences: a fixed order of additions on every device (no atomics), the exact sum
+    to fp32 rounding, and no host value, so a graph runs it."""
+    run = torch.nn.functional.pad(values.double().cumsum(1), (1, 0))  # [m, R + 1]
+    return (run.index_select(1, bounds[1:]) - run.index_select(1, bounds[:-1])).float()
 
 
 def fixed_mask(lay: PromptLayout) -> torch.Tensor:
@@ -111,8 +132,7 @@ def attention_mass(view: LayerView, src: torch.Tensor, segs: SegmentIndex) -> to
     reach = max(segs.end, int(lens_host.max()))  # rows past a token's own: masked
     keys = view.arena.k[view.layer, view.slot, :reach]
     probs = read_attention(view.q.index_select(0, src_d), keys, lens)
-    out = torch.zeros(len(src), segs.count, device=view.q.device)
-    return out.index_add_(1, segs.owner, probs.index_select(1, segs.rows))
+    return segment_sums(probs.index_select(1, segs.rows), segs.bounds)
 
 
 def read_attention(q: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,8 @@ def test_multi_hop_selection_is_a_fixed_point_and_one_hop_is_the_query_alone(wor
 
 
 def attention_mass_per_span(view, src: list[int], spans: list[tuple[int, int]]) -> torch.Tensor:
-    """selectors.attention_mass as it was, one span at a time (the exactness reference)."""
+    """selectors.attention_mass one span at a time (the exactness reference): each span's
+    exact sum (fp64) rounded once to fp32."""
     q = view.q[src].float()
     reach = max(view.row0 + max(a + n for a, n in spans), *(int(view.kv_len[j]) for j in src))
     k = view.arena.k[view.layer, view.slot, :reach].float()
@@ -170,7 +171,8 @@ def attention_mass_per_span(view, src: list[int], spans: list[tuple[int, int]]) 
     probs = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1).mean((1, 2))
     rows = torch.tensor([view.row0 + a + j for a, n in spans for j in range(n)])
     owner = torch.tensor([s for s, (_, n) in enumerate(spans) for _ in range(n)])
-    return torch.zeros(m, len(spans)).index_add_(1, owner, probs.index_select(1, rows))
+    out = torch.zeros(m, len(spans), dtype=torch.float64)
+    return out.index_add_(1, owner, probs.index_select(1, rows).double()).float()
 
 
 @pytest.mark.parametrize("name", ["reuse", "cacheblend", "keep", "keep-one-hop", "keep-no-balance"])
