@@ -46,7 +46,7 @@ from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.memory_methods import keep
-from embodied_kv.kv.recompute import PrefillStats, check_uniform, source_list
+from embodied_kv.kv.recompute import PrefillStats, source_list
 from embodied_kv.kv.selectors import (
     KeepConfig,
     read_attention,
@@ -118,7 +118,8 @@ class _Buffers:
 class GraphKeep:
     """The `keep` method (kv/memory_methods.py) replayed from graphs: `prefill` has the
     methods' interface; eager KEEP where a segment has no cached block, the memory is
-    empty or the request is not over the runner's arena and model."""
+    empty, the slot's layers hold different row counts (VL-Cache) or the request is not
+    over the runner's arena and model."""
 
     grouped, cached = True, True
 
@@ -137,10 +138,9 @@ class GraphKeep:
     @torch.no_grad()
     def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
-        check_uniform(arena, slot)
         graphable = arena is self.runner.arena and model.backbone is self.runner.model.backbone
         if self.failed or not graphable or any(p.block is None for p in lay.placed) or (
-            not lay.segments()
+            not lay.segments() or not arena.uniform(slot)  # compressed: one row0 per layer
         ):
             out = self.eager.prefill(model, arena, slot, lay, frame)  # nothing to graph
             self.last = None

@@ -8,9 +8,9 @@ the world model's trained format). At admission:
 * `full`: the text is appended and prefilled whole (full recomputation);
 * `keep`: if the text is still the memory's prompt for its goal, the missing blocks
   are computed (a free slot as the work slot), then the selective prefill places the
-  blocks and recomputes what KEEP selects; otherwise (the memory changed since the
-  request, no work slot is free, or VL-Cache left the slot's layers with different row
-  counts, where cached rows have no one place) the text is prefilled whole, as in `full`.
+  blocks and recomputes what KEEP selects (over a prefix VL-Cache compressed too: each
+  layer's cached rows go to that layer's own offset); otherwise (the memory changed
+  since the request, or no work slot is free) the text is prefilled whole, as in `full`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class MemoryPlanner:
         self.model, self.memory, self.mode = model, memory, mode
         self.keep_cfg = keep_cfg or KeepConfig()
         self.method = keep(self.keep_cfg)
-        self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot, compressed)
+        self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot)
 
     def use_graphs(self, runner: GraphRunner) -> None:
         """KEEP's prefill replayed from one graph per prompt shape (engine/keep_graph.py):
@@ -71,8 +71,6 @@ class MemoryPlanner:
             return self.model.append(arena, slot, torch.tensor(encode(self.model, text)))
 
         def prefill(slot: int) -> torch.Tensor:
-            if not arena.uniform(slot):  # VL-Cache compressed the frame's prefix per layer
-                return whole(slot)
             units = self.memory.units()
             if any(u.key not in self.memory.blocks for u in units):
                 work = arena.allocate()

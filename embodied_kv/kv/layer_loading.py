@@ -20,6 +20,9 @@ copies at one issue point are, per K and V, one range of the image and one gathe
     CPU    image[layer, lo:hi] (a view)
     both   rows = staged[index]; keys re-rotated; slot rows <- rows (one index_copy_)
 
+The image's slot rows are layer 0's; a layer whose slot holds a different row count
+(VL-Cache compressed the prefix) gets them at `shift[layer]` rows further.
+
 (the range may hold rows of units not copied at that point, e.g. between preloaded
 dropped units: staged, never written). The host work per request grows with layers,
 not layers x segments. On CUDA this runs on a side stream and the compute of a layer
@@ -104,11 +107,15 @@ class LayerLoader:
 
     def __init__(self, arena: KVArena, slot: int, rope: Rope, sources: list[Source],
                  schedule: LoadSchedule, image: HostImage | None = None,
-                 stage: bool | None = None):  # fmt: skip
+                 stage: bool | None = None, shift: list[int] | None = None):  # fmt: skip
         """`stage`: copy each range into a device staging buffer before the gather (the
         CUDA path; default: on CUDA only). On the CPU it runs the same copies in line,
-        so the tests exercise the CUDA path's indexing."""
+        so the tests exercise the CUDA path's indexing. `shift`: per layer, rows past the
+        sources' slot rows (default none)."""
         self.arena, self.slot, self.rope, self.schedule = arena, slot, rope, schedule
+        self.shift = shift or [0] * schedule.num_layers
+        if len(self.shift) != schedule.num_layers:
+            raise ValueError(f"{len(self.shift)} shifts for {schedule.num_layers} layers")
         self.image = image if image is not None or not sources else pack(
             sources, rope, arena.device)  # fmt: skip
         self.cuda = arena.device.type == "cuda"
@@ -146,10 +153,10 @@ class LayerLoader:
         The indices of every layer of the point reach the device in one copy."""
         img = self.image
         ranges, index = [], []
-        for units in by_layer.values():
+        for layer, units in by_layer.items():
             lo, hi, rel = img.rows_of(units)
             ranges.append((lo, hi))
-            index += [rel, rel + lo, img.slot_row[lo:hi].index_select(0, rel)]
+            index += [rel, rel + lo, img.slot_row[lo:hi].index_select(0, rel) + self.shift[layer]]
         index = to_device_as_one(index, self.arena.device)
         for j, (layer, (lo, hi)) in enumerate(zip(by_layer, ranges, strict=True)):
             rel, rows, dst = index[3 * j : 3 * j + 3]  # [r] each

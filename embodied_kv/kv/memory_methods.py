@@ -50,7 +50,7 @@ class PrefixCaching:
 
     def prefill(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
-        p = arena.slot_len(slot)
+        p = arena.length[:, slot].tolist()  # per layer (VL-Cache may have compressed them)
         common = 0
         if self.frame == frame:
             for a, b in zip(self.ids, lay.ids, strict=False):
@@ -59,9 +59,10 @@ class PrefixCaching:
                 common += 1
         common = min(common, lay.n - 1)  # the last token is fed: its logits are the answer
         if common:
-            rows = slice(p, p + common)
-            arena.k[:, slot, rows].copy_(arena.k[:, self.cache_slot, rows])
-            arena.v[:, slot, rows].copy_(arena.v[:, self.cache_slot, rows])
+            for layer, start in enumerate(p):
+                rows = slice(start, start + common)
+                arena.k[layer, slot, rows].copy_(arena.k[layer, self.cache_slot, rows])
+                arena.v[layer, slot, rows].copy_(arena.v[layer, self.cache_slot, rows])
             arena.length[:, slot] += common
             arena.next_pos[slot] += common
         logits = model.append(arena, slot, torch.tensor(lay.ids[common:]))

@@ -16,6 +16,12 @@ packed step, op for op (`layer_forward`), so its bytes equal full recomputation.
 Token sets cross the selector interface as host masks over the prompt ([n] bool): a
 layer's host work is a few tensor ops, one selector sync and one small index copy,
 whatever the number of segments.
+
+The slot's layers may hold different row counts (VL-Cache compressed the frame's
+prefix, kv/compress.py): prompt token t sits at row `length[l] + t` of layer l, at the
+same RoPE position in every layer. The packed step carries a row per layer already; the
+loader places a layer's cached rows at that layer's own offset and the selectors read
+each layer at its own `row0`.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ class LayerView:
     kv_len: torch.Tensor  # [m] int64 host: rows each token read
     arena: KVArena
     slot: int
-    row0: int  # slot row of prompt token 0
+    row0: int  # this layer's slot row of prompt token 0
     image: HostImage | None  # the cached rows placed (None: the prompt has no block)
 
 
@@ -77,17 +83,17 @@ def selective_prefill(
 ) -> tuple[torch.Tensor, PrefillStats]:
     """Append `lay` to `slot` -> (logits [V] after its last token, stats). `images`: the
     caller's image of its previous request, updated instead of packed anew."""
-    check_uniform(arena, slot)
     backbone = model.backbone
     n, num_layers = lay.n, len(backbone.layers)
     plan = plan_step(arena, [Segment(slot, n, causal=True)])
     x = model.embed_inputs([StepInput(slot, ids=torch.tensor(lay.ids))], plan.n_padded)
-    row0 = int(arena.length[0, slot])
+    rows0 = arena.length[:, slot].tolist()  # [L] each layer's row of prompt token 0
     pos0 = int(arena.next_pos[slot])
-    sources = source_list(lay, row0, pos0)
+    sources = source_list(lay, rows0[0], pos0)  # slot rows of layer 0; others: + shift
     image = (images.pack if images else pack)(sources, backbone.rope, arena.device)
     schedule = LoadSchedule(num_layers, [s.n for s in sources], overlap=overlap)
-    loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image)
+    shift = [r - rows0[0] for r in rows0]
+    loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image, shift=shift)
     try:
         logits, stats = _layers(model, arena, slot, lay, selector, plan, x, loader, image)
     finally:
@@ -102,9 +108,9 @@ def _layers(model: VLA, arena: KVArena, slot: int, lay: PromptLayout, selector: 
     """The layer loop: compute the active tokens, load the rest, narrow with depth."""
     backbone = model.backbone
     n, num_layers = lay.n, len(backbone.layers)
-    row0 = int(arena.length[0, slot])
+    rows0 = arena.length[:, slot].tolist()  # [L] each layer's row of prompt token 0
     schedule = loader.schedule
-    image_token = image.slot_row - row0 if image is not None else None  # [R] host
+    image_token = image.slot_row - rows0[0] if image is not None else None  # [R] host
     active = selector.initial(lay)  # [n] bool host: the rows of x and of `step`
     step = plan
     if not active.all():
@@ -122,7 +128,7 @@ def _layers(model: VLA, arena: KVArena, slot: int, lay: PromptLayout, selector: 
             break
         m = len(tokens)
         view = LayerView(i, tokens, q[:m], x[:m], backbone, step.kv_len_host[i, :m], arena,
-                         slot, row0, image)  # fmt: skip
+                         slot, rows0[i], image)  # fmt: skip
         keep = selector.next(view, lay)
         if not torch.equal(keep, active):
             assert not (keep & ~active).any() and keep[n - 1]
@@ -135,19 +141,9 @@ def _layers(model: VLA, arena: KVArena, slot: int, lay: PromptLayout, selector: 
     return logits, stats
 
 
-def check_uniform(arena: KVArena, slot: int) -> None:
-    """Cached rows are placed at one slot row for every layer (`row0`): a slot whose
-    layers hold different row counts (VL-Cache compressed it) would get them at the wrong
-    rows in some layers. ValueError, before anything is written."""
-    if not arena.uniform(slot):
-        raise ValueError(
-            f"slot {slot} holds {arena.length[:, slot].tolist()} rows per layer: a selective "
-            f"prefill needs the same count in every layer (prefill the text whole)"
-        )
-
-
 def source_list(lay: PromptLayout, row0: int, pos0: int) -> list[Source]:
-    """One loader unit per segment with a cached block, in prompt order."""
+    """One loader unit per segment with a cached block, in prompt order; `row0`: the slot
+    row of prompt token 0 (in layer 0: the loader adds each layer's shift)."""
     sources = []
     for p in lay.placed:
         if p.block is None:

@@ -150,7 +150,7 @@ def read_attention(q: torch.Tensor, keys: torch.Tensor, lens: torch.Tensor) -> t
 class KeepSelector:
     def __init__(self, cfg: KeepConfig, num_layers: int):
         self.cfg, self.num_layers = cfg, num_layers
-        self.segs: tuple[PromptLayout, SegmentIndex] | None = None  # of the last prompt
+        self.segs: tuple[PromptLayout, int, SegmentIndex] | None = None  # the last (row0)
 
     def initial(self, lay: PromptLayout) -> torch.Tensor:
         return torch.ones(lay.n, dtype=torch.bool)
@@ -169,9 +169,11 @@ class KeepSelector:
         return segs.fixed | chosen[segs.of_token]
 
     def index(self, view: LayerView, lay: PromptLayout) -> SegmentIndex:
-        if self.segs is None or self.segs[0] is not lay:
-            self.segs = lay, SegmentIndex.build(lay, view.row0, view.q.device)
-        return self.segs[1]
+        """The prompt's segments at this layer's rows: built once per request, again for
+        a layer at another row0 (a compressed prefix)."""
+        if self.segs is None or self.segs[0] is not lay or self.segs[1] != view.row0:
+            self.segs = lay, view.row0, SegmentIndex.build(lay, view.row0, view.q.device)
+        return self.segs[2]
 
     def _multi_hop(self, view: LayerView, lay: PromptLayout, segs: SegmentIndex,
                    cand: torch.Tensor, k: int) -> torch.Tensor:  # fmt: skip
@@ -219,7 +221,7 @@ class CacheBlendSelector:
         img = view.image
         if view.layer > 0 or img is None:
             return keep
-        toks = img.slot_row - view.row0  # [R] prompt tokens with a cached row, image order
+        toks = img.slot_row - view.row0  # [R] prompt tokens with a cached row (layer 0's rows)
         where = to_device(torch.searchsorted(view.tokens, toks), view.hidden.device)
         layer = view.backbone.layers[1]
         _, _, v = layer.self_attn.qkv(layer.input_layernorm(view.hidden.index_select(0, where)))

@@ -155,6 +155,26 @@ def test_without_a_cached_block_or_over_another_arena_it_runs_eager_keep(world_m
     assert runner.captures == elsewhere.captures == 0
 
 
+def test_over_a_compressed_prefix_it_runs_eager_keep(world_model):
+    """A slot whose layers hold different row counts (VL-Cache) has no one row0 for the
+    graph's static placement: eager KEEP places each layer at its own (kv/recompute.py),
+    the same bytes, nothing captured."""
+    rig = StreamRig(world_model, 10, seed=4)
+    lay = rig.next_layout(0)
+    runner = GraphRunner(world_model, rig.arena, "emulate")
+    out = []
+    for method in (GraphKeep(runner), keep()):
+        slot = rig.arena.allocate()
+        rig.arena.copy_slot(rig.frame, slot)
+        rig.arena.length[2, slot] -= 5  # as a compressed prefix leaves it
+        logits = method.prefill(world_model, rig.arena, slot, lay)
+        n = rig.arena.length[:, slot].tolist()
+        out.append([logits] + [rig.arena.k[i, slot, : n[i]].clone() for i in range(len(n))])
+        rig.arena.release(slot)
+    assert all(torch.equal(x, y) for x, y in zip(*out, strict=True))
+    assert runner.captures == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs CUDA")
 def test_on_cuda_the_captured_graph_chooses_what_eager_keep_chooses():
     """The product path: torch.cuda.graph capture of the whole prefill, replayed over a

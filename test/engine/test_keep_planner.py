@@ -122,47 +122,51 @@ def test_keep_graphs_in_the_engine_plan_what_eager_keep_plans(tiny_model):
     assert texts[0] == texts[1]
 
 
-def test_a_plan_over_a_compressed_prefix_is_prefilled_as_text(tiny_model, monkeypatch):
-    """VL-Cache leaves the frame's slot with a row count per layer, where cached memory rows
-    have no one slot row: the plan is prefilled as text (counted), the same tokens as
-    `full` over the same compressed prefix, and the prefix rows are left as they were."""
+@pytest.mark.parametrize("ratios", ["all", "default"])
+def test_a_plan_over_a_compressed_prefix_reads_the_memory_as_kv(tiny_model, ratios):
+    """VL-Cache leaves the frame's slot with a row count per layer; KEEP places each
+    layer's cached rows at that layer's own offset, so the plan still reads its memory
+    as KV (no fallback). Recomputing everything it plans full's tokens over the same
+    compressed prefix; the prefix rows stay as they were."""
+    layers = tiny_model.cfg.backbone.layers
+    cfg = KeepConfig(ratios=(1.0,) * layers) if ratios == "all" else KeepConfig()
+    full = make_engine(tiny_model, "full", compress=CompressConfig(budget=0.3))
+    engine = make_engine(tiny_model, keep=cfg, compress=CompressConfig(budget=0.3))
     seen = []
-    append = tiny_model.append
+    method = engine.planner.method
+    prefill = method.prefill
 
-    def spy(arena, slot, ids):
+    def spy(model, arena, slot, lay, frame=0):
         lengths = arena.length[:, slot].clone()
         prefix = [arena.k[i, slot, : int(n)].clone() for i, n in enumerate(lengths)]
-        out = append(arena, slot, ids)
+        out = prefill(model, arena, slot, lay, frame)
         kept = all(torch.equal(arena.k[i, slot, : len(p)], p) for i, p in enumerate(prefix))
         seen.append((lengths.tolist(), kept))
         return out
 
-    monkeypatch.setattr(tiny_model, "append", spy)
-    texts = {}
-    for mode in ("full", "keep"):
-        engine = make_engine(tiny_model, mode, compress=CompressConfig(budget=0.3))
-        ev = plan(engine)
-        assert ev.status is Status.OK
-        texts[mode] = ev.text
-    assert texts["keep"] == texts["full"]
-    assert engine.planner.fallbacks == 1 and len(seen) == 1
+    method.prefill = spy
+    a, b = plan(full), plan(engine)
+    assert a.status is b.status is Status.OK
+    assert engine.planner.fallbacks == 0 and len(seen) == 1
     lengths, kept = seen[0]
     assert len(set(lengths)) > 1 and kept  # it was compressed; the prefix untouched
+    if ratios == "all":
+        assert a.text == b.text
 
 
 def test_a_failed_plan_prefill_restores_the_compressed_frame_slot(tiny_model, monkeypatch):
-    """The adopted frame slot gets its per-layer row counts back when a plan's prefill
-    fails (a truncation to the uncompressed prefix length would refuse them)."""
+    """The adopted frame slot gets its per-layer row counts back when KEEP's prefill over
+    it fails (a truncation to the uncompressed prefix length would refuse them)."""
     engine = make_engine(tiny_model, compress=CompressConfig(budget=0.3))
     seen = []
 
-    def boom(arena, slot, ids):
+    def boom(model, arena, slot, lay, frame=0):
         seen.append((slot, arena.length[:, slot].clone(), arena.next_pos[slot].clone()))
         arena.length[:, slot] += 5  # a prefill that wrote rows, then failed
         arena.next_pos[slot] += 5
         raise RuntimeError("device fault")
 
-    monkeypatch.setattr(tiny_model, "append", boom)
+    monkeypatch.setattr(engine.planner.method, "prefill", boom)
     with pytest.raises(RuntimeError, match="device fault"):
         plan(engine)
     slot, lengths, pos = seen[0]

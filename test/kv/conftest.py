@@ -23,15 +23,17 @@ class PerSegmentLoader:
     segment of one layer, K and V apart, straight from its block; keys re-rotated in the
     slot before the layer computes. Takes LayerLoader's arguments."""
 
-    def __init__(self, arena, slot, rope, sources, schedule, image=None):
+    def __init__(self, arena, slot, rope, sources, schedule, image=None, shift=None):
         self.arena, self.slot, self.rope = arena, slot, rope
+        self.shift = shift or [0] * schedule.num_layers
         self.sources, self.schedule = sources, schedule
         self.pending: dict[int, list[int]] = {}  # layer -> units copied, not yet rotated
 
     def issue(self, i, active):
         for c in self.schedule.issue(i, active):
             s = self.sources[c.unit]
-            dst, src = slice(s.slot_row, s.slot_row + s.n), slice(s.block_row, s.block_row + s.n)
+            row = s.slot_row + self.shift[c.layer]
+            dst, src = slice(row, row + s.n), slice(s.block_row, s.block_row + s.n)
             self.arena.k[c.layer, self.slot, dst].copy_(s.block.k[c.layer, src])
             self.arena.v[c.layer, self.slot, dst].copy_(s.block.v[c.layer, src])
             self.pending.setdefault(c.layer, []).append(c.unit)
@@ -40,5 +42,5 @@ class PerSegmentLoader:
         k = self.arena.k[i, self.slot]  # [T, Hkv, D]
         for u in self.pending.pop(i, []):
             s = self.sources[u]
-            rows = slice(s.slot_row, s.slot_row + s.n)
+            rows = slice(s.slot_row + self.shift[i], s.slot_row + self.shift[i] + s.n)
             k[rows] = rerotate(self.rope, k[rows], torch.full((s.n,), s.delta))

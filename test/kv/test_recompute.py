@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from embodied_kv.kv import recompute
+from embodied_kv.kv.compress import PrefixLayout, Selection, compact
 from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory
 from embodied_kv.kv.memory_kv import compute_block, encode, layout, rerotate
 from embodied_kv.kv.memory_methods import FullRecompute, PrefixCaching, Selective, keep, methods
@@ -94,19 +95,108 @@ def test_keep_at_ratio_one_everywhere_is_full_recomputation_in_bytes(world_model
     assert everything.stats.active == [rig.layout().n] * world_model.cfg.backbone.layers
 
 
-def test_a_slot_with_per_layer_row_counts_is_refused_before_anything_is_written(world_model):
-    """VL-Cache leaves a slot's layers with different row counts; cached rows placed at
-    one slot row for every layer would land at the wrong rows in some: refused."""
+def compressed_run(rig, method, kept=(24, 17, 9, 13)):
+    """One plan request over a frame prefix compacted by VL-Cache's `compact` (rows
+    [0, 16) an image, a different share of them kept in each layer and KV head) -> (the
+    slot's per-layer lengths before the request, logits, per-layer K and V rows)."""
+    arena, model = rig.arena, rig.model
+    slot = arena.allocate()
+    arena.copy_slot(rig.frame, slot)
+    g = torch.Generator().manual_seed(1)
+    heads, layout_ = arena.spec.kv_heads, PrefixLayout(24, 16)
+    keep_rows = tuple(
+        torch.stack([torch.cat([torch.randperm(16, generator=g)[: k - 8].sort().values,
+                                torch.arange(16, 24)]) for _ in range(heads)])
+        for k in kept[: arena.spec.num_layers]
+    )  # fmt: skip
+    compact(arena, slot, Selection(layout_, keep_rows))
+    before = arena.length[:, slot].tolist()
+    logits = method.prefill(model, arena, slot, rig.layout())
+    n = arena.length[:, slot].tolist()
+    k = [arena.k[i, slot, : n[i]].clone() for i in range(len(n))]
+    v = [arena.v[i, slot, : n[i]].clone() for i in range(len(n))]
+    arena.release(slot)
+    return before, logits, k, v
+
+
+def test_over_a_compressed_prefix_keep_at_ratio_one_is_full_recomputation_in_bytes(world_model):
+    """VL-Cache leaves the frame's layers with different row counts: prompt token t sits
+    at row length[l] + t of layer l. With every ratio 1.0 KEEP's selective prefill is
+    full recomputation over that slot, byte for byte in every layer."""
     rig = Rig(world_model)
-    slot = rig.arena.allocate()
-    rig.arena.copy_slot(rig.frame, slot)
-    rig.arena.length[1, slot] -= 3  # as a compressed prefix leaves it
-    before = rig.arena.length.clone(), rig.arena.next_pos.clone(), rig.arena.k.clone()
-    for method in (keep(), keep(KeepConfig(hops=0))):
-        with pytest.raises(ValueError, match="rows per layer"):
-            method.prefill(world_model, rig.arena, slot, rig.layout())
-    after = rig.arena.length, rig.arena.next_pos, rig.arena.k
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    layers = world_model.cfg.backbone.layers
+    before, *full = compressed_run(rig, FullRecompute())
+    assert len(set(before)) == layers  # a row count per layer
+    everything = keep(KeepConfig(ratios=(1.0,) * layers))
+    _, logits, k, v = compressed_run(rig, everything)
+    assert torch.equal(logits, full[0])
+    assert all(torch.equal(a, b) for a, b in zip(k + v, full[1] + full[2], strict=True))
+
+
+@pytest.mark.parametrize("name", ["reuse", "keep", "keep-no-balance", "cacheblend", "prefix"])
+def test_over_a_compressed_prefix_each_layer_gets_its_cached_rows_at_its_own_offset(
+    world_model, monkeypatch, name
+):
+    """Every method over a compressed prefix: the prefix rows untouched in every layer,
+    the same bytes as the per-segment reference loader (which places a unit by hand at
+    slot row + the layer's shift), and under full reuse every segment row of every layer
+    is its block's row re-rotated to the new position."""
+    rig = Rig(world_model)
+    method = next(m for m in methods(rig.cache) if m.name == name)
+    lay = rig.layout()
+    before, logits, k, v = compressed_run(rig, method)
+    prefix = compressed_run(rig, NoPrompt())[2:]  # the compacted rows alone
+    for layer, n in enumerate(before):
+        assert torch.equal(k[layer][:n], prefix[0][layer][:n])
+        assert torch.equal(v[layer][:n], prefix[1][layer][:n])
+    if isinstance(method, Selective):
+        monkeypatch.setattr(recompute, "LayerLoader", PerSegmentLoader)
+        _, *want = compressed_run(rig, method)
+        assert torch.equal(logits, want[0])
+        assert all(torch.equal(a, b) for a, b in zip(k + v, want[1] + want[2], strict=True))
+    if name != "reuse":
+        return
+    rope, pos0 = world_model.backbone.rope, 24
+    for p in lay.placed:
+        for (start, m), (brow, _) in zip(p.pieces, p.block.spans, strict=True):
+            delta = torch.full((m,), pos0 + start - (p.block.pos0 + brow))
+            for layer, n in enumerate(before):
+                want_k = rerotate(rope, p.block.k[layer, brow : brow + m], delta)
+                got_k = k[layer][n + start : n + start + m]
+                assert (got_k - want_k).abs().max() <= ROPE_TOL * want_k.abs().max()
+                assert torch.equal(v[layer][n + start : n + start + m],
+                                   p.block.v[layer, brow : brow + m])  # fmt: skip
+
+
+def test_over_a_compressed_prefix_keep_scores_each_layer_at_its_own_rows(world_model):
+    """KEEP's segment attention at layer i reads layer i's rows: there the prompt starts
+    at that layer's own row count, not layer 0's."""
+    from embodied_kv.kv import selectors
+
+    rig = Rig(world_model)
+    seen = []
+
+    class Spy(selectors.KeepSelector):
+        def _multi_hop(self, view, lay, segs, cand, k):
+            seen.append((view, segs, lay, cand.tolist()))
+            return super()._multi_hop(view, lay, segs, cand, k)
+
+    before, *_ = compressed_run(rig, Selective("keep", True, lambda n: Spy(KeepConfig(), n)))
+    assert any(before[v.layer] != before[0] for v, *_ in seen)  # a layer at another row0
+    for view, segs, lay, cand in seen:
+        assert view.row0 == before[view.layer]
+        row = {t: j for j, t in enumerate(view.tokens.tolist())}
+        query = [row[t] for t in range(lay.query_start, lay.n)]
+        spans = [lay.segments()[c] for c in cand]
+        mass = selectors.attention_mass(view, torch.tensor(query), segs)[:, cand]
+        assert torch.equal(mass, attention_mass_per_span(view, query, spans))
+
+
+class NoPrompt:
+    """No prompt at all: leaves the compacted prefix as it is (the reference rows)."""
+
+    def prefill(self, model, arena, slot, lay):
+        return None
 
 
 def test_keep_recomputes_whole_segments_fewer_with_depth(world_model):
