@@ -95,7 +95,7 @@ def test_keep_at_ratio_one_everywhere_is_full_recomputation_in_bytes(world_model
     assert everything.stats.active == [rig.layout().n] * world_model.cfg.backbone.layers
 
 
-def compressed_run(rig, method, kept=(24, 17, 9, 13)):
+def compressed_run(rig, method, kept=(24, 17, 9, 13), lay=None):
     """One plan request over a frame prefix compacted by VL-Cache's `compact` (rows
     [0, 16) an image, a different share of them kept in each layer and KV head) -> (the
     slot's per-layer lengths before the request, logits, per-layer K and V rows)."""
@@ -111,7 +111,10 @@ def compressed_run(rig, method, kept=(24, 17, 9, 13)):
     )  # fmt: skip
     compact(arena, slot, Selection(layout_, keep_rows))
     before = arena.length[:, slot].tolist()
-    logits = method.prefill(model, arena, slot, rig.layout())
+    lay = lay or rig.layout()
+    logits = method.prefill(model, arena, slot, lay)
+    if isinstance(method, PrefixCaching):
+        method.remember(arena, slot, lay, 0)
     n = arena.length[:, slot].tolist()
     k = [arena.k[i, slot, : n[i]].clone() for i in range(len(n))]
     v = [arena.v[i, slot, : n[i]].clone() for i in range(len(n))]
@@ -166,6 +169,20 @@ def test_over_a_compressed_prefix_each_layer_gets_its_cached_rows_at_its_own_off
                 assert (got_k - want_k).abs().max() <= ROPE_TOL * want_k.abs().max()
                 assert torch.equal(v[layer][n + start : n + start + m],
                                    p.block.v[layer, brow : brow + m])  # fmt: skip
+
+
+def test_over_a_compressed_prefix_prefix_caching_copies_each_layer_at_its_own_rows(world_model):
+    rig = Rig(world_model)
+    prefix = PrefixCaching(rig.cache)
+    compressed_run(rig, prefix)
+    rig.memory.apply(MemoryOp.UPDATE, "f4", "the yellow ball is in the red box .", 64)
+    rig.refresh()
+    lay = rig.layout("where is the yellow ball ?")
+    got = compressed_run(rig, prefix, lay=lay)
+    want = compressed_run(rig, FullRecompute(), lay=lay)
+    assert prefix.reused > 0
+    assert torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2] + got[3], want[2] + want[3], strict=True))
 
 
 def test_over_a_compressed_prefix_keep_scores_each_layer_at_its_own_rows(world_model):
