@@ -64,3 +64,18 @@ def test_world_is_numpy_only():
         if bad:
             found.append(f"{path.relative_to(ROOT)}: {', '.join(bad)}")
     assert found == []
+
+
+RUNTIME = ("kernels", "kv", "model", "engine")  # what the robot runs
+TOOLS = {"embodied_kv.train", "embodied_kv.bench", "embodied_kv.eval", "embodied_kv.cli",
+         "embodied_kv.gpu_check", "embodied_kv.ros"}  # fmt: skip
+
+
+def test_the_runtime_layers_import_no_tool_above_them():
+    """DESIGN §2, imports point down: kernels, kv, model and engine never import training,
+    benchmarks, evaluation, the CLI or the ROS layer (what the engine needs of a trained
+    model's files lives in model/trained.py and model/word_tokenizer.py)."""
+    found = []
+    for layer in RUNTIME:
+        found += offenders(f"embodied_kv/{layer}", f"embodied_kv/{layer}/__none__", TOOLS)
+    assert found == []

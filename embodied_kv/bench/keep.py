@@ -78,15 +78,15 @@ def default_weights(preset: str, given: str | None) -> str:
 def load(args) -> tuple:
     """-> (model, what the weights are)."""
     if args.weights:
-        from embodied_kv.train.trained import load_trained
+        from embodied_kv.model.trained import load_trained
 
         return load_trained(args.weights, device=args.device), args.weights
     if args.preset == "pi05":
         return build_model(get_preset("pi05"), args.device), "random pi05"
     import tempfile
 
-    from embodied_kv.train.tokenizer import save_tokenizer
-    from embodied_kv.train.trained import TOKENIZER_FILE, world_config
+    from embodied_kv.model.trained import TOKENIZER_FILE, world_config
+    from embodied_kv.model.word_tokenizer import save_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tok = save_tokenizer(Path(tmp) / TOKENIZER_FILE)

@@ -36,9 +36,9 @@ from embodied_kv.kv.compress import CompressConfig
 from embodied_kv.kv.presses import PRESSES
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained, world_config
 from embodied_kv.model.vla import build_model
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained, world_config
+from embodied_kv.model.word_tokenizer import save_tokenizer
 
 BUDGETS = (0.01, 0.05, 0.1, 0.2, 0.4)  # plus 1.0: the full cache
 QUICK_BUDGETS = (0.05, 0.1)  # the acceptance's budgets

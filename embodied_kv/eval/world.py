@@ -34,9 +34,9 @@ from embodied_kv.eval.items import (  # EvalConfig, closed_loop, episode: also i
 from embodied_kv.eval.runners import EngineRunner, as_runner
 from embodied_kv.kv.manager import TaskKind
 from embodied_kv.model.action_tokens import ActionTokenConfig
+from embodied_kv.model.trained import TOKENIZER_FILE, load_trained, world_config
 from embodied_kv.model.vla import build_model
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import TOKENIZER_FILE, load_trained, world_config
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.world import memory, questions
 
 __all__ = ["EvalConfig", "accuracy_of", "closed_loop", "episode", "evaluate", "main",

@@ -68,7 +68,7 @@ class ModelConfig:
     time_min_period: float = 4e-3  # openpi: sinusoidal time embedding
     time_max_period: float = 4.0
     tokenizer: str = "gemma"  # "bytes" (no download), "gemma" (SentencePiece from a path) or
-    # "words" (train/tokenizer.py: the world's closed vocabulary, tokenizer.json from a path)
+    # "words" (model/word_tokenizer.py: the world's closed vocabulary, tokenizer.json from a path)
     seed: int = 0  # random init
 
     def __post_init__(self):

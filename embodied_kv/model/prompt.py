@@ -47,7 +47,7 @@ class GemmaTokenizer:
 
 
 class WordTokenizer:
-    """A word-level `tokenizers` file (train/tokenizer.py builds one over the world's
+    """A word-level `tokenizers` file (model/word_tokenizer.py builds one over the world's
     closed vocabulary): words and punctuation are ids, whitespace is not kept, so
     decode joins words with single spaces."""
 

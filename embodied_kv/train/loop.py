@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.losses import add_counts, compute_losses
 from embodied_kv.train.resume import (
@@ -27,8 +29,6 @@ from embodied_kv.train.resume import (
     save_state,
 )
 from embodied_kv.train.samples import StepSamples
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.world.dataset import DataConfig, Sample
 from embodied_kv.world.render import LABELS
 

@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from embodied_kv.bench.report import write_json
+from embodied_kv.model.trained import world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import IGNORE, pad_rows
 from embodied_kv.train.forward import backbone_layers
 from embodied_kv.train.loop import redraw_embedding
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import world_config
 from embodied_kv.world.memory import sample_queries
 from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 

@@ -8,10 +8,10 @@ import pytest
 
 from embodied_kv.bench.harness import paired_difference
 from embodied_kv.bench.vlcache import METHODS, main, verdict
+from embodied_kv.model.trained import TOKENIZER_FILE, world_config
 from embodied_kv.model.vla import build_model
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.loop import save_checkpoint
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import TOKENIZER_FILE, world_config
 
 
 def test_quick_run_reports_every_row(tmp_path, capsys):

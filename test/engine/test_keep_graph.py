@@ -19,9 +19,9 @@ from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory, piece
 from embodied_kv.kv.memory_kv import compute_block, encode, layout
 from embodied_kv.kv.memory_methods import FullRecompute, keep
 from embodied_kv.kv.selectors import KeepConfig
+from embodied_kv.model.trained import TOKENIZER_FILE, world_config
 from embodied_kv.model.vla import StepInput, build_model
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import TOKENIZER_FILE, world_config
+from embodied_kv.model.word_tokenizer import save_tokenizer
 
 
 class StreamRig:

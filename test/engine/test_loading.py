@@ -12,10 +12,10 @@ import torch
 from embodied_kv.engine import loading
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.model.action_tokens import ActionTokenConfig
+from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import save_weights
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
+from embodied_kv.model.word_tokenizer import save_tokenizer
 
 
 def saved_world(folder, seed=7, **overrides):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from embodied_kv.engine.loading import SHIPPED, shipped_weights
 from embodied_kv.eval.items import EvalConfig
 from embodied_kv.eval.world import evaluate
-from embodied_kv.train.trained import load_trained
+from embodied_kv.model.trained import load_trained
 
 MIN_QA = 0.55
 MIN_ONE_HOP = 0.4

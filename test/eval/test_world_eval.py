@@ -65,7 +65,7 @@ def test_ar_mode_acts_with_bins_tokens_through_the_pipeline():
 def test_accuracies_take_an_engine_as_its_runner():
     from embodied_kv.eval.runners import EngineRunner
     from embodied_kv.eval.world import make_engine, question_accuracy, random_model
-    from embodied_kv.train.trained import world_config
+    from embodied_kv.model.trained import world_config
 
     cfg = EvalConfig(episodes=0, questions=3, memory=0)
     engine = make_engine(random_model(world_config()), cfg)

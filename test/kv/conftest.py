@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from embodied_kv.kv.memory_kv import rerotate
+from embodied_kv.model.trained import TOKENIZER_FILE, world_config
 from embodied_kv.model.vla import build_model
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import TOKENIZER_FILE, world_config
+from embodied_kv.model.word_tokenizer import save_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
-from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.model.word_tokenizer import save_tokenizer
 
 
 def test_words_tokenizer_round_trip_and_errors(tmp_path):

@@ -7,12 +7,12 @@ import torch
 
 from embodied_kv.model.action_tokens import BinTokenizer
 from embodied_kv.model.prompt import WordTokenizer
+from embodied_kv.model.trained import world_config
 from embodied_kv.model.vla import build_model
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import IGNORE, make_batch
 from embodied_kv.train.loop import length_buckets
 from embodied_kv.train.losses import compute_losses
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import world_config
 from embodied_kv.world.dataset import DataConfig, make_sample
 
 

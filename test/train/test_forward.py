@@ -3,11 +3,11 @@ logits, and the action expert's velocity, for the same samples and weights."""
 
 import torch
 
+from embodied_kv.model.trained import world_config
 from embodied_kv.model.vla import Observation, build_model
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import IGNORE, make_batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import world_config
 from embodied_kv.world.dataset import DataConfig, make_sample
 
 TOL = 1e-4  # fp32 on CPU: dense sdpa vs the packed reference, different summation order

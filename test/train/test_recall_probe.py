@@ -8,8 +8,10 @@ import torch
 
 from embodied_kv.cli import main
 from embodied_kv.model.config import get_preset
+from embodied_kv.model.trained import world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import save_weights
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.recall_probe import (
     IGNORE,
     ProbeConfig,
@@ -22,8 +24,6 @@ from embodied_kv.train.recall_probe import (
     word_ids,
     world_batch,
 )
-from embodied_kv.train.tokenizer import save_tokenizer
-from embodied_kv.train.trained import world_config
 
 
 def world_model(tmp_path):

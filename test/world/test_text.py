@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from embodied_kv.model.prompt import WordTokenizer, format_prompt
-from embodied_kv.train.tokenizer import save_tokenizer
+from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.world.dataset import DataConfig, make_sample
 from embodied_kv.world.memory import names_place, sample_queries, sample_query
 from embodied_kv.world.narration import TEMPLATES, narrate

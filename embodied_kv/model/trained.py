@@ -12,7 +12,7 @@ from embodied_kv.model.action_tokens import TEXT_IDS
 from embodied_kv.model.config import GemmaConfig, ModelConfig, VisionConfig, get_preset
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import FORMAT, load_weights
-from embodied_kv.train.tokenizer import build_tokenizer, padded_vocab
+from embodied_kv.model.word_tokenizer import build_tokenizer, padded_vocab
 
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
