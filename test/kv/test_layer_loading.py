@@ -124,8 +124,10 @@ def test_the_packed_loader_writes_the_bytes_of_per_segment_copies(world_model, s
     units = range(len(sources))
     first = rng.choice([set(units), set(), set(rng.sample(units, len(units) // 2))])
     budget = rng.choice([0, 3 * sum(s.n for s in sources)])  # large: preloads dropped units
+    # seeds 8-15: each layer's slot holds its own row count (a VL-Cache-compressed prefix)
+    shift = [0] + [rng.randint(-3, 9) for _ in range(L - 1)] if seed >= 8 else None
     same_as_per_segment(world_model, sources, shrinking(rng, len(sources), L, first), budget,
-                        overlap=rng.random() < 0.7, stage=seed % 2 == 1)  # fmt: skip
+                        overlap=rng.random() < 0.7, stage=seed % 2 == 1, shift=shift)  # fmt: skip
 
 
 def test_scattered_units_of_one_layer_are_one_copy_of_their_range(world_model):
@@ -143,15 +145,18 @@ def test_scattered_units_of_one_layer_are_one_copy_of_their_range(world_model):
     assert (3, 0) not in {(c.layer, c.unit) for c in copies[1]}
 
 
-def same_as_per_segment(model, sources, active, budget, overlap, stage=None) -> list[list[Copy]]:
-    """`stage`: the CUDA path's staging copies, run on the CPU (odd seeds)."""
+def same_as_per_segment(model, sources, active, budget, overlap, stage=None,
+                        shift=None) -> list[list[Copy]]:  # fmt: skip
+    """`stage`: the CUDA path's staging copies, run on the CPU (odd seeds); `shift`: rows
+    past the sources' slot rows per layer (the reference places them by hand)."""
     arena = model.new_arena(2, 128)
     a, b = arena.allocate(), arena.allocate()
     L, rope, rows = arena.spec.num_layers, model.backbone.rope, [s.n for s in sources]
     packed = LayerLoader(arena, a, rope, sources, LoadSchedule(L, rows, budget, overlap),
-                         stage=stage)  # fmt: skip
+                         stage=stage, shift=shift)  # fmt: skip
     assert (packed.staging is not None) == bool(stage)
-    ref = PerSegmentLoader(arena, b, rope, sources, LoadSchedule(L, rows, budget, overlap))
+    ref = PerSegmentLoader(arena, b, rope, sources, LoadSchedule(L, rows, budget, overlap),
+                           shift=shift)  # fmt: skip
     for i in range(L):
         packed.issue(i, active[i])
         ref.issue(i, active[i])
@@ -162,3 +167,10 @@ def same_as_per_segment(model, sources, active, budget, overlap, stage=None) -> 
     assert torch.equal(arena.k[:, a], arena.k[:, b]) and torch.equal(arena.v[:, a], arena.v[:, b])
     assert packed.schedule.points == ref.schedule.points
     return packed.schedule.points
+
+
+def test_a_shift_per_layer_is_required_for_every_layer(world_model):
+    arena = world_model.new_arena(1, 64)
+    L = arena.spec.num_layers
+    with pytest.raises(ValueError, match="shifts"):
+        LayerLoader(arena, 0, world_model.backbone.rope, [], LoadSchedule(L, [1]), shift=[0])
