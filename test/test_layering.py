@@ -66,7 +66,7 @@ def test_world_is_numpy_only():
     assert found == []
 
 
-RUNTIME = ("kernels", "kv", "model", "engine")  # what the robot runs
+RUNTIME = ("kernels", "storage", "kv", "model", "engine")  # what the robot runs
 TOOLS = {"embodied_kv.train", "embodied_kv.bench", "embodied_kv.eval", "embodied_kv.cli",
          "embodied_kv.gpu_check", "embodied_kv.ros"}  # fmt: skip
 
@@ -79,3 +79,13 @@ def test_the_runtime_layers_import_no_tool_above_them():
     for layer in RUNTIME:
         found += offenders(f"embodied_kv/{layer}", f"embodied_kv/{layer}/__none__", TOOLS)
     assert found == []
+
+
+def test_storage_sits_below_the_model_and_the_model_below_the_cache_policy():
+    """DESIGN §2: the arena and the step plan (storage/) import neither the model nor what
+    manages the arena (kv/: manager, capsules, compression, memory); the model reads and
+    writes the arena (storage/) and imports nothing of kv/ or engine/."""
+    above_storage = {"embodied_kv.model", "embodied_kv.kv", "embodied_kv.engine"}
+    assert offenders("embodied_kv/storage", "embodied_kv/storage/__none__", above_storage) == []
+    above_model = {"embodied_kv.kv", "embodied_kv.engine"}
+    assert offenders("embodied_kv/model", "embodied_kv/model/__none__", above_model) == []

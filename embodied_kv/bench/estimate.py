@@ -31,11 +31,11 @@ from embodied_kv.engine.graphs import STEP_BUCKETS
 from embodied_kv.kernels.expert_attention import chunk_blocks, split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kernels.prefill_tile import tile_config
-from embodied_kv.kv.step import Segment, commit_step, plan_step
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import DENOISE_BUCKETS, StepInput, build_model
+from embodied_kv.storage.step import Segment, commit_step, plan_step
 
 # H100 SXM: bf16 dense and HBM3 (PI05_FACTS.md: the arithmetic limit uses these two
 # numbers); fp32 GEMMs without TF32 run on the 67 TFLOP/s fp32 units

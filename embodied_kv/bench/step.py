@@ -37,12 +37,12 @@ from embodied_kv.bench import harness
 from embodied_kv.bench.baselines import expert_baselines, language_baselines
 from embodied_kv.bench.report import print_table
 from embodied_kv.kernels.packed_attention import KEY_BLOCK, ROW_BUCKET
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.model.checkpoint import load_pi05_checkpoint
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.hf_interop import arena_to_dynamic_cache
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import VLA, StepInput, build_model
+from embodied_kv.storage.arena import KVArena
 from embodied_kv.timing import CPU_CLOCKS, device_clock, elapsed_ms
 
 

@@ -21,7 +21,7 @@ import torch
 from embodied_kv.bench import harness
 from embodied_kv.kernels.packed_attention import packed_attention
 from embodied_kv.kv.compress import CompressConfig, Compressor, PrefixLayout, compact
-from embodied_kv.kv.step import Segment, plan_step
+from embodied_kv.storage.step import Segment, plan_step
 
 INNER = 5  # calls per timed sample (harness.looped): sub-10 ms work on a shared machine
 

@@ -37,9 +37,9 @@ import torch
 
 from embodied_kv.engine.graph_emulation import record
 from embodied_kv.kernels.packed_attention import ROW_BUCKET
-from embodied_kv.kv.arena import KVArena
-from embodied_kv.kv.step import PackedStep, Segment, commit_step, logit_rows, plan_step
 from embodied_kv.model.vla import VLA, StepInput, denoise_rows
+from embodied_kv.storage.arena import KVArena
+from embodied_kv.storage.step import PackedStep, Segment, commit_step, logit_rows, plan_step
 
 # tokens per packed step; every 64 from 512 to 1024, where pi05 prefixes fall (2 cameras +
 # text ~560, 3 ~820): a 560-token prefill padded to 1024 ran +80 % GEMM FLOPs (bench estimate)
@@ -76,7 +76,7 @@ class StaticStep:
         self.replay: Callable[[], None] | None = None
 
     def load(self, plan: PackedStep, x: torch.Tensor) -> None:
-        """Device-to-device copies of a plan (already on the device, see kv/step.py)."""
+        """Device-to-device copies of a plan (already on the device, see storage/step.py)."""
         self.x.copy_(x, non_blocking=True)
         self.slot.copy_(plan.slot, non_blocking=True)
         self.position.copy_(plan.position, non_blocking=True)

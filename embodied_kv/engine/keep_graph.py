@@ -42,7 +42,6 @@ import torch
 
 from embodied_kv.engine.graphs import GraphRunner, StaticStep
 from embodied_kv.kernels.packed_attention import bucket
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.memory_methods import keep
@@ -55,8 +54,9 @@ from embodied_kv.kv.selectors import (
     segment_tokens,
     top_segments,
 )
-from embodied_kv.kv.step import Segment, logit_rows, plan_step, to_device_as_one
 from embodied_kv.model.vla import VLA, StepInput
+from embodied_kv.storage.arena import KVArena
+from embodied_kv.storage.step import Segment, logit_rows, plan_step, to_device_as_one
 
 ROWS_GRAIN = 32  # a layer's row bound is rounded up to this: fewer shapes, fewer captures
 MAX_SHAPES = 8  # graphs kept (least recently used dropped): a growing memory makes new shapes

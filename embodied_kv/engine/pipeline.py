@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 from embodied_kv.kernels.packed_attention import KEY_BLOCK, bucket
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.model.action_tokens import ActionTokenizer
 from embodied_kv.model.vla import VLA, Prefix, StepInput
+from embodied_kv.storage.arena import KVArena
 from embodied_kv.timing import device_clock
 
 

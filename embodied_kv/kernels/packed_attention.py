@@ -10,7 +10,7 @@ Contract (shared by the reference and the Triton kernel):
     out      [N, Hq, D]      in q.dtype, accumulated in fp32
 
 Causal decode, a bidirectional prefix and mixed batches differ only in kv_len, which
-the step planner (kv/step.py) computes. Hq must be a multiple of Hkv (MQA / GQA).
+the step planner (storage/step.py) computes. Hq must be a multiple of Hkv (MQA / GQA).
 
 The reference is also the CPU hot path, so it is written to be batch-invariant: the
 result for a token does not depend on which other tokens share the step. CPU fp32
@@ -21,7 +21,7 @@ thread count. So ROW_BUCKET is probed once per process (`probe_row_bucket`: the 
 power of two whose multiples all agree with a 64-row GEMM, at one thread and at the
 process's count; 4 on the CI machine) or set with EMBODIED_KV_ROW_BUCKET. `bench step`
 records the probe over the model's own shapes. A step is padded once to a
-multiple of ROW_BUCKET tokens (kv/step.py); inside attention a run of n tokens of one
+multiple of ROW_BUCKET tokens (storage/step.py); inside attention a run of n tokens of one
 slot is [n * group, D] query rows (the query heads of a kv head folded into rows), padded
 only where n * group < ROW_BUCKET. Runs with the same (tokens, key bucket) go through one
 batched `scaled_dot_product_attention` call (a batch entry rounds as it does alone, checked

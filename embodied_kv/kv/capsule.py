@@ -28,8 +28,8 @@ from typing import Protocol
 
 import torch
 
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.manager import KVCacheManager, Request, TaskKind
+from embodied_kv.storage.arena import KVArena
 
 FORMAT = "embodied_kv.capsule/2"
 

@@ -26,7 +26,7 @@ Heads of a layer keep different image rows but the same number, so one length pe
 still says which rows every head reads, and a decode appends its token at row length[l] in
 all heads, as over a full slot.
 
-The packed step reads rows [0, length[l]) per layer (kv/step.py), so a decode over a
+The packed step reads rows [0, length[l]) per layer (storage/step.py), so a decode over a
 compressed slot costs what its kept rows cost. The budget α counts image rows: the text rows
 (what the model was asked) are always kept, by every method.
 """
@@ -43,8 +43,8 @@ from embodied_kv.kernels.attn_stats import (
     kv_head_sums,
     stats_workspace,
 )
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.presses import ALL_ROWS, POST_VISION, WINDOW, Press, budget_weights, get_press
+from embodied_kv.storage.arena import KVArena
 
 MIN_BUDGET = 0.01  # VL-Cache Algorithm 1: a layer keeps at least 1% of its rows
 

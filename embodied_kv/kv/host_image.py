@@ -22,8 +22,8 @@ import torch
 
 from embodied_kv.kv.memory import KVBlock
 from embodied_kv.kv.memory_kv import rerotation
-from embodied_kv.kv.step import to_device
 from embodied_kv.model.layers import Rope
+from embodied_kv.storage.step import to_device
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.host_image import HostImage, Source, pack
-from embodied_kv.kv.step import to_device_as_one
 from embodied_kv.model.layers import Rope
+from embodied_kv.storage.arena import KVArena
+from embodied_kv.storage.step import to_device_as_one
 
 
 @dataclass(frozen=True)

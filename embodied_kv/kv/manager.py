@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.compress import (
     CompressConfig,
     Compressor,
@@ -33,6 +32,7 @@ from embodied_kv.kv.compress import (
     compact,
 )
 from embodied_kv.model.vla import VLA, Prefix, StepInput
+from embodied_kv.storage.arena import KVArena
 from embodied_kv.timing import synchronize
 
 

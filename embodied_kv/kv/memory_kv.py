@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.memory import HEADER, KVBlock, Unit, host_tier, piece, query_suffix
 from embodied_kv.model.layers import Rope
 from embodied_kv.model.vla import VLA, StepInput
+from embodied_kv.storage.arena import KVArena
 
 
 @torch.no_grad()

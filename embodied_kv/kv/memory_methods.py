@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.recompute import PrefillStats, selective_prefill
 from embodied_kv.kv.selectors import CacheBlendSelector, FixedSelector, KeepConfig, KeepSelector
 from embodied_kv.model.vla import VLA
+from embodied_kv.storage.arena import KVArena
 
 
 class FullRecompute:

@@ -32,12 +32,12 @@ from typing import Protocol
 import torch
 
 from embodied_kv.kernels.packed_attention import bucket
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.kv.host_image import HostImage, ImageCache, Source, pack
 from embodied_kv.kv.layer_loading import LayerLoader, LoadSchedule
 from embodied_kv.kv.memory_kv import PromptLayout
-from embodied_kv.kv.step import PackedStep, Segment, logit_rows, plan_step, to_device_as_one
 from embodied_kv.model.vla import VLA, StepInput
+from embodied_kv.storage.arena import KVArena
+from embodied_kv.storage.step import PackedStep, Segment, logit_rows, plan_step, to_device_as_one
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.recompute import LayerView
-from embodied_kv.kv.step import to_device, to_device_as_one
+from embodied_kv.storage.step import to_device, to_device_as_one
 
 
 @dataclass(frozen=True)

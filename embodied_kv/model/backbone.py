@@ -21,10 +21,10 @@ from embodied_kv.kernels.packed_attention import (
     plan_ref,
 )
 from embodied_kv.kernels.triton_base import as_dtype
-from embodied_kv.kv.arena import KVArena
-from embodied_kv.kv.step import PackedStep
 from embodied_kv.model.config import GemmaConfig
 from embodied_kv.model.layers import GemmaLayer, RMSNorm, Rope
+from embodied_kv.storage.arena import KVArena
+from embodied_kv.storage.step import PackedStep
 
 
 class GemmaBackbone(nn.Module):
@@ -122,7 +122,7 @@ class GemmaBackbone(nn.Module):
         """Tied LM head on the rows `index` ([R] int64, on hidden's device) of hidden
         [Np, W] -> [R, V] fp32.
 
-        The caller keeps R fixed (kv/step.py `logit_rows`, a ROW_BUCKET multiple), so a
+        The caller keeps R fixed (storage/step.py `logit_rows`, a ROW_BUCKET multiple), so a
         row's logits do not depend on how many others are computed with it."""
         h = hidden.index_select(0, index)
         return (h @ self.embed_tokens.weight.t()).float()

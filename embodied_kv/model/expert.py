@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from embodied_kv.kernels.expert_attention import expert_attention
-from embodied_kv.kv.arena import KVArena
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
+from embodied_kv.storage.arena import KVArena
 
 
 class ActionExpert(nn.Module):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, GemmaConfig, GemmaForCausalLM
 from transformers.models.gemma.modeling_gemma import eager_attention_forward
 
-from embodied_kv.kv.arena import KVArena
+from embodied_kv.storage.arena import KVArena
 
 # lerobot.utils.constants.OPENPI_ATTENTION_MASK_VALUE: the additive "masked" value.
 OPENPI_MASK_VALUE = -2.3819763e38

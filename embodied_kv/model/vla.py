@@ -23,13 +23,13 @@ import torch
 from torch import nn
 
 from embodied_kv.kernels.triton_base import as_dtype
-from embodied_kv.kv.arena import ArenaSpec, KVArena
-from embodied_kv.kv.step import Segment, commit_step, plan_step, to_device
 from embodied_kv.model.backbone import GemmaBackbone
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
 from embodied_kv.model.vision import VisionEncoder
+from embodied_kv.storage.arena import ArenaSpec, KVArena
+from embodied_kv.storage.step import Segment, commit_step, plan_step, to_device
 
 MAX_POSITIONS = 32_768  # RoPE table rows (fp32, full width: 2 x 32 MiB at pi05); bounds max_len
 DENOISE_BUCKETS = (256, 512, 1024, 2048)  # prefix rows the action expert reads

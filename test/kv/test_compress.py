@@ -294,7 +294,7 @@ def test_kernels_read_each_layers_kept_rows(model):
     kept rows only (NaN past them would poison the output if read)."""
     from embodied_kv.kernels.packed_attention import packed_attention_kernel, packed_attention_ref
     from embodied_kv.kernels.triton_base import INTERPRETED
-    from embodied_kv.kv.step import Segment, plan_step
+    from embodied_kv.storage.step import Segment, plan_step
 
     if not INTERPRETED:  # CPU tensors: the kernels run on them under the interpreter only
         pytest.skip("needs TRITON_INTERPRET=1 (the Triton kernels on this test's CPU tensors)")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from embodied_kv.kv.step import Segment, commit_step, plan_step
 from embodied_kv.model.hf_interop import to_hf_gemma
 from embodied_kv.model.vla import StepInput
+from embodied_kv.storage.step import Segment, commit_step, plan_step
 
 # fp32 on CPU. Measured max |diff| ~1e-6 on logits of magnitude ~1: the two differ only in
 # summation order (packed padded GEMMs vs HF's eager attention) and RoPE tables (ours fp64).

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from embodied_kv.kernels.packed_attention import bucket
-from embodied_kv.kv.arena import ArenaSpec, KVArena
-from embodied_kv.kv.step import Segment, commit_step, plan_step, to_device_as_one, unpack
+from embodied_kv.storage.arena import ArenaSpec, KVArena
+from embodied_kv.storage.step import Segment, commit_step, plan_step, to_device_as_one, unpack
 
 
 def make_arena(num_slots=3, max_len=128, layers=2):
@@ -93,7 +93,7 @@ def test_copy_and_truncate_slot():
 
 
 def test_a_plan_travels_to_the_device_as_one_copy():
-    """plan_step's five tensors go to a GPU as one pinned copy (kv/step.py): the views of
+    """plan_step's five tensors go to a GPU as one pinned copy (storage/step.py): the views of
     the one tensor are the parts, in order and shape; on the host nothing is copied."""
     a = make_arena(num_slots=3)
     s0, s1 = a.allocate(), a.allocate()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from embodied_kv.kernels.packed_attention import Run, bucket
-from embodied_kv.kv.arena import KVArena
+from embodied_kv.storage.arena import KVArena
 
 
 @dataclass(frozen=True)

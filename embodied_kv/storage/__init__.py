@@ -1,0 +1,1 @@
+"""KV storage: the static arena and the plan of one packed step (below model/)."""
