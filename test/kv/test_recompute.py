@@ -398,11 +398,14 @@ def test_the_image_cache_never_writes_into_a_block():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA loader needs a CUDA device")
+@pytest.mark.parametrize("compressed", [False, True])
 @pytest.mark.parametrize("name", ["keep", "keep-no-balance", "cacheblend", "reuse"])
-def test_on_cuda_the_staged_side_stream_loader_gives_the_reference_bytes(monkeypatch, name):
+def test_on_cuda_the_staged_side_stream_loader_gives_the_reference_bytes(monkeypatch, name,
+                                                                         compressed):  # fmt: skip
     """The CUDA path itself (pinned image, one async range copy per layer and K/V into a
     staging buffer on the copy stream, events, the image cache's fence) against the
-    per-segment reference loader on the same device, over a stream of updates."""
+    per-segment reference loader on the same device, over a stream of updates; also over
+    a VL-Cache-compacted prefix (a row shift per layer)."""
     with tempfile.TemporaryDirectory() as tmp:
         tok = save_tokenizer(Path(tmp) / TOKENIZER_FILE)
         model = build_model(world_config(), "cuda", tokenizer_path=str(tok))
@@ -413,9 +416,15 @@ def test_on_cuda_the_staged_side_stream_loader_gives_the_reference_bytes(monkeyp
         rig.memory.apply(MemoryOp.UPDATE, "f0" if "red box" in text else "f5", text, 65 + i)
         rig.refresh()
         lay = rig.layout()
-        got = rig.run(method, lay)
+        run = (lambda m, lay: compressed_run(rig, m, lay=lay)[1:]) if compressed else rig.run
+        got = flat(run(method, lay))
         with monkeypatch.context() as m:
             m.setattr(recompute, "LayerLoader", PerSegmentLoader)
-            want = rig.run(next(x for x in methods(rig.cache) if x.name == name), lay)
+            want = flat(run(next(x for x in methods(rig.cache) if x.name == name), lay))
         for x, y in zip(got, want, strict=True):
             assert torch.equal(x, y)
+
+
+def flat(out) -> list[torch.Tensor]:
+    """(logits, K, V) with K and V a tensor or a list per layer -> one list of tensors."""
+    return [t for x in out for t in (x if isinstance(x, list) else [x])]
