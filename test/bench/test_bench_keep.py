@@ -57,7 +57,7 @@ def test_the_verdict_quotes_the_paired_error_of_the_points_lost():
     assert (lost, se) == (0.25, np.std([0, 1, 0, 0], ddof=1) / 2)
     assert paired_difference(full, full) == (0.0, 0.0)
     rows = [{"segments": 40, "method": m, "two_hop": v, "two_hop_se_vs_full": e,
-             "speedup_vs_full": 1.0}
+             "speedup_vs_full": 1.0, "one_hop": 0.5, "one_hop_n": 100}
             for m, v, e in (("full", 0.5, 0.0), ("keep", 0.25, se), ("reuse", 0.1, 0.1),
                             ("cacheblend", 0.2, 0.1))]  # fmt: skip
     line = verdict(rows, trained=True)
@@ -66,6 +66,23 @@ def test_the_verdict_quotes_the_paired_error_of_the_points_lost():
     rows[1]["two_hop"] = 0.54
     line = verdict(rows, trained=True)
     assert line.startswith("verdict: PASS") and "-4.0 ±" in line and "need <= 3: True" in line
+
+
+def test_the_verdict_ranks_nothing_when_full_recomputation_guesses():
+    """A model that answers one place for every query scores about a guess among the five
+    places (step 6,000 of the kept run at 40 facts, 2026-11-25): no verdict on accuracy.
+    The bar is two standard errors of a guess over the one-hop queries."""
+    from embodied_kv.bench.keep import GUESS, reads_memory, verdict
+
+    rows = [{"segments": 40, "method": m, "two_hop": v, "two_hop_se_vs_full": 0.02,
+             "speedup_vs_full": 1.0, "one_hop": 0.28, "one_hop_n": 50}
+            for m, v in (("full", 0.48), ("keep", 0.48), ("reuse", 0.44),
+                         ("cacheblend", 0.44))]  # fmt: skip
+    assert GUESS == 0.2 and reads_memory(rows[0]) == (False, 0.2 + 2 * (0.16 / 50) ** 0.5)
+    line = verdict(rows, trained=True)
+    assert line.startswith("verdict: INCONCLUSIVE") and "by the rule: PASS" in line
+    rows[0]["one_hop"], rows[0]["one_hop_n"] = 0.26, 200  # 400 requests: the bar is 0.257
+    assert reads_memory(rows[0])[0] and verdict(rows, trained=True).startswith("verdict: PASS")
 
 
 def test_the_arena_holds_the_memory_in_a_byte_tokenizer_s_ids():
