@@ -23,6 +23,8 @@ whole prefill replayed from one graph per prompt shape (engine/keep_graph.py; `-
     refresh_ms   computing the blocks the updates before this request invalidated
                  (off the request's path on a robot: when an update arrives)
     one_hop, two_hop   answer accuracy (the decoded word before EOS)
+    distinct     how many different one-hop answers the method gave (1: the same place
+                 for every query, whatever was asked)
     two_hop_se_vs_full  standard error of the two-hop points a method loses against full
                  recomputation, paired over the same queries (the verdict quotes it)
     agree        share of the first 32 greedy tokens equal to full recomputation's
@@ -169,7 +171,8 @@ def run_segments(model, n: int, args, device: str) -> dict:
     compute = lambda texts: compute_block(model, arena, work, texts)  # noqa: E731
     clock = device_clock(device)
     out = {m.name: {"ttft": [], "one_hop": [], "two_hop": [], "agree": [], "active": [],
-                    "share": [], "same_answer": [], "capture": []} for m in family}  # fmt: skip
+                    "share": [], "same_answer": [], "capture": [], "one_hop_answers": []}
+           for m in family}  # fmt: skip
     refresh = {"grouped": [], "chunks": []}
     for _ in range(WARM_UPDATES):
         update(stream, grouped, chunks, n)
@@ -212,8 +215,10 @@ def run_segments(model, n: int, args, device: str) -> dict:
             row = out[name]
             row["ttft"].append(ms)
             row["share"].append(share)
-            right = names_place(answer(model, tokens), truth)
-            row["one_hop" if hops == 1 else "two_hop"].append(right)
+            said = answer(model, tokens)
+            row["one_hop" if hops == 1 else "two_hop"].append(names_place(said, truth))
+            if hops == 1:
+                row["one_hop_answers"].append(said)
             same = [a == b for a, b in zip(tokens, reference, strict=True)]
             row["agree"].append(float(np.mean(same)))
             row["same_answer"].append(answer(model, tokens) == answer(model, reference))
@@ -268,6 +273,7 @@ def summarise(n: int, raw: dict) -> list[dict]:
             "refresh_ms": statistics.median(refresh) if refresh else 0.0,
             "one_hop": float(np.mean(s["one_hop"])) if s["one_hop"] else float("nan"),
             "one_hop_n": len(s["one_hop"]),
+            "one_hop_distinct": len(set(s["one_hop_answers"])),  # 1: one place for every query
             "two_hop": float(np.mean(s["two_hop"])) if s["two_hop"] else float("nan"),
             "two_hop_se_vs_full": harness.paired_difference(full_two, s["two_hop"])[1],
             "agree": float(np.mean(s["agree"])),
@@ -355,10 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         extra[str(n)] = {k: raw[k] for k in ("static_groups", "groups", "counters", "failed")}
         for reason in raw["failed"]:  # a graph row that ran eagerly: its rows say so
             print(f"at {n} segments {reason}")
-    keys = ["ttft_ms", "speedup_vs_full", "compute_share", "refresh_ms", "one_hop", "two_hop",
-            "agree", "same_answer", "captures"]  # fmt: skip
-    print_table(["N", "method", *keys], [[r["segments"], r["method"], *[r[k] for k in keys]]
-                                         for r in rows])  # fmt: skip
+    keys = ["ttft_ms", "speedup_vs_full", "compute_share", "refresh_ms", "one_hop",
+            "one_hop_distinct", "two_hop", "agree", "same_answer", "captures"]  # fmt: skip
+    print_table(["N", "method", *[k.replace("one_hop_distinct", "distinct") for k in keys]],
+                [[r["segments"], r["method"], *[r[k] for k in keys]] for r in rows])  # fmt: skip
     line = verdict(rows, bool(args.weights))
     print(line)
     result = {"benchmark": "keep", "weights": what, "rows": rows, "memory": extra,

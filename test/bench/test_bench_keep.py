@@ -121,7 +121,7 @@ def test_the_graphed_rows_are_exact(tmp_path):
     assert list(rows) == [METHODS[0], "full-graphs", *METHODS[1:], "keep-graphs"]
     assert rows["full-graphs"]["agree"] == 1.0 and rows["full-graphs"]["same_answer"] == 1.0
     assert rows["full-graphs"]["compute_share"] == 1.0
-    for key in ("agree", "same_answer", "compute_share", "one_hop", "two_hop"):
+    for key in ("agree", "same_answer", "compute_share", "one_hop", "one_hop_distinct", "two_hop"):
         assert rows["keep-graphs"][key] == rows["keep"][key]
     assert rows["keep-graphs"]["compute_share"] < 1.0
     assert rows["keep-graphs"]["captures"] >= 1 and rows["keep"]["captures"] == 0
