@@ -103,7 +103,9 @@ class _Buffers:
         r = shape.image_rows
         self.img_bounds = torch.zeros(s + 1, **i64)  # segment j: image rows [j] to [j + 1]
         self.img_slot = torch.full((r,), arena.scratch_slot, **i64)
-        self.img_row = torch.arange(r, **i64)  # slot row of each image row
+        # slot row of each image row, per layer (a VL-Cache-compressed prefix: each layer's
+        # prompt starts at its own row count)
+        self.img_row = torch.arange(r, **i64).expand(arena.spec.num_layers, r).clone()  # [L, r]
         spec = arena.spec
         shape_kv = (spec.num_layers, r, spec.kv_heads, spec.head_dim)
         self.img_k = torch.zeros(shape_kv, dtype=arena.k.dtype, device=dev)
@@ -118,8 +120,9 @@ class _Buffers:
 class GraphKeep:
     """The `keep` method (kv/memory_methods.py) replayed from graphs: `prefill` has the
     methods' interface; eager KEEP where a segment has no cached block, the memory is
-    empty, the slot's layers hold different row counts (VL-Cache) or the request is not
-    over the runner's arena and model."""
+    empty or the request is not over the runner's arena and model. A slot whose layers
+    hold different row counts (VL-Cache) replays the same graph: the image's slot rows
+    are per layer."""
 
     grouped, cached = True, True
 
@@ -140,7 +143,7 @@ class GraphKeep:
                 frame: int = 0) -> torch.Tensor:  # fmt: skip
         graphable = arena is self.runner.arena and model.backbone is self.runner.model.backbone
         if self.failed or not graphable or any(p.block is None for p in lay.placed) or (
-            not lay.segments() or not arena.uniform(slot)  # compressed: one row0 per layer
+            not lay.segments()
         ):
             out = self.eager.prefill(model, arena, slot, lay, frame)  # nothing to graph
             self.last = None
@@ -187,8 +190,9 @@ class GraphKeep:
         plan = plan_step(arena, [Segment(slot, lay.n, causal=True)], shape.n_pad)
         buf.step.load(plan, model.embed_inputs([StepInput(slot, ids=torch.tensor(lay.ids))],
                                                shape.n_pad))  # fmt: skip
-        row0, pos0 = int(arena.length[0, slot]), int(arena.next_pos[slot])
-        sources = source_list(lay, row0, pos0)
+        rows0 = arena.length[:, slot].clone()  # [L] each layer's row of prompt token 0
+        row0, pos0 = int(rows0[0]), int(arena.next_pos[slot])
+        sources = source_list(lay, row0, pos0)  # layer 0's slot rows
         image = self.images.pack(sources, model.backbone.rope, arena.device)
         r, s = image.slot_row.shape[0], shape.segments
         tokens, seg, last = segment_tokens(lay)
@@ -198,7 +202,8 @@ class GraphKeep:
         pad = shape.image_rows - r  # image rows past the request's: the scratch slot
         img_bounds = segment_bounds(owner[image.slot_row - row0], s)  # image: prompt order
         img_slot = torch.cat([torch.full((r,), slot), torch.full((pad,), arena.scratch_slot)])
-        img_row = torch.cat([image.slot_row, torch.arange(r, shape.image_rows)])
+        img_row = torch.cat([image.slot_row[None, :] + (rows0 - row0)[:, None],
+                             torch.arange(r, shape.image_rows).expand(len(rows0), pad)], 1)
         parts = [owner, last, torch.arange(lay.query_start, lay.n), img_bounds,
                  img_slot, img_row, torch.tensor([slot])]  # fmt: skip
         for dst, src in zip((buf.owner_of_token, buf.seg_last, buf.query, buf.img_bounds,
@@ -221,8 +226,8 @@ class GraphKeep:
         cos_sin = rope.at(step.position)
         for i in range(len(shape.keep)):
             k = rope.rotate(buf.img_k[i], (buf.cos, buf.sin))
-            arena.k[i].index_put_((buf.img_slot, buf.img_row), k.to(arena.k.dtype))
-            arena.v[i].index_put_((buf.img_slot, buf.img_row), buf.img_v[i])
+            arena.k[i].index_put_((buf.img_slot, buf.img_row[i]), k.to(arena.k.dtype))
+            arena.v[i].index_put_((buf.img_slot, buf.img_row[i]), buf.img_v[i])
             x, q = backbone.layer_forward(i, x, cos_sin, step, arena)
             if i + 1 == len(shape.keep) or shape.keep[i + 1] == shape.keep[i]:
                 continue
@@ -246,7 +251,7 @@ class GraphKeep:
         lens = step.kv_len[i].index_select(0, src)
         keys = arena.k[i].index_select(0, buf.slot)[0]  # [T, Hkv, D] the request's slot
         probs = read_attention(q.index_select(0, src), keys, lens)  # [m, T]
-        mass = segment_sums(probs.index_select(1, buf.img_row), buf.img_bounds)  # [m, S]
+        mass = segment_sums(probs.index_select(1, buf.img_row[i]), buf.img_bounds)  # [m, S]
         q_mass, rows = mass[: shape.query].mean(0), mass[shape.query :]
         off = torch.full_like(q_mass, float("-inf"))
         chosen = top_segments(torch.where(computed, q_mass, off), k)

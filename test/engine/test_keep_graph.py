@@ -155,24 +155,43 @@ def test_without_a_cached_block_or_over_another_arena_it_runs_eager_keep(world_m
     assert runner.captures == elsewhere.captures == 0
 
 
-def test_over_a_compressed_prefix_it_runs_eager_keep(world_model):
-    """A slot whose layers hold different row counts (VL-Cache) has no one row0 for the
-    graph's static placement: eager KEEP places each layer at its own (kv/recompute.py),
-    the same bytes, nothing captured."""
-    rig = StreamRig(world_model, 10, seed=4)
-    lay = rig.next_layout(0)
+@pytest.mark.parametrize("ratios", ["all", "default"])
+def test_over_a_compressed_prefix_the_graph_places_each_layer_at_its_own_rows(world_model,
+                                                                              ratios):  # fmt: skip
+    """A slot whose layers hold different row counts (VL-Cache compacted the frame's
+    prefix): the graph's image rows go to each layer's own offset. Every ratio 1.0: full
+    recomputation's bytes; default ratios: eager KEEP's choice per layer and its logits,
+    and the uncompressed shape's graph serves (no capture of its own)."""
+    layers = len(world_model.backbone.layers)
+    cfg = KeepConfig(ratios=(1.0,) * layers) if ratios == "all" else KeepConfig()
+    rig = StreamRig(world_model, 20, seed=4)
     runner = GraphRunner(world_model, rig.arena, "emulate")
-    out = []
-    for method in (GraphKeep(runner), keep()):
-        slot = rig.arena.allocate()
-        rig.arena.copy_slot(rig.frame, slot)
-        rig.arena.length[2, slot] -= 5  # as a compressed prefix leaves it
-        logits = method.prefill(world_model, rig.arena, slot, lay)
-        n = rig.arena.length[:, slot].tolist()
-        out.append([logits] + [rig.arena.k[i, slot, : n[i]].clone() for i in range(len(n))])
-        rig.arena.release(slot)
-    assert all(torch.equal(x, y) for x, y in zip(*out, strict=True))
-    assert runner.captures == 0
+    graphed = GraphKeep(runner, cfg)
+    want_method = FullRecompute() if ratios == "all" else keep(cfg)
+    for r, drop in enumerate([(0, 0, 0, 0), (0, 5, 11, 3), (0, 2, 7, 9)]):
+        lay = rig.next_layout(r)
+        got, want = (compressed(rig, m, lay, drop[:layers]) for m in (graphed, want_method))
+        if ratios == "all":
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+        else:
+            assert graphed.stats.active == want_method.stats.active
+            assert int(got[0].argmax()) == int(want[0].argmax())
+            for x, y in zip(got, want, strict=True):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert runner.replays == 3 and runner.captures <= 2
+
+
+def compressed(rig, method, lay, drop) -> list[torch.Tensor]:
+    """One request over the frame's prefix with its last `drop[l]` rows of layer l gone
+    (as compaction leaves it) -> [logits, K rows of each layer]."""
+    slot = rig.arena.allocate()
+    rig.arena.copy_slot(rig.frame, slot)
+    rig.arena.length[:, slot] -= torch.tensor(drop)
+    logits = method.prefill(rig.model, rig.arena, slot, lay)
+    n = rig.arena.length[:, slot].tolist()
+    out = [logits] + [rig.arena.k[i, slot, : n[i]].clone() for i in range(len(n))]
+    rig.arena.release(slot)
+    return out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs CUDA")
