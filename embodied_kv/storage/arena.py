@@ -112,11 +112,6 @@ class KVArena:
         """Rows valid in every layer (the common length before any compression)."""
         return int(self.length[:, slot].max())
 
-    def uniform(self, slot: int) -> bool:
-        """Every layer holds the same number of rows (VL-Cache compression makes them
-        differ, kv/compress.py)."""
-        return bool((self.length[:, slot] == self.length[0, slot]).all())
-
     def copy_slot(self, src: int, dst: int) -> None:
         """Byte copy of a slot's valid rows and metadata (fork / share a prefix)."""
         n = self.slot_len(src)
