@@ -59,10 +59,12 @@ class PrefixCaching:
                 common += 1
         common = min(common, lay.n - 1)  # the last token is fed: its logits are the answer
         if common:
-            for layer, start in enumerate(p):
+            # one copy over every layer when they hold the same rows (as before VL-Cache)
+            at = [(slice(None), p[0])] if len(set(p)) == 1 else list(enumerate(p))
+            for layers, start in at:
                 rows = slice(start, start + common)
-                arena.k[layer, slot, rows].copy_(arena.k[layer, self.cache_slot, rows])
-                arena.v[layer, slot, rows].copy_(arena.v[layer, self.cache_slot, rows])
+                arena.k[layers, slot, rows].copy_(arena.k[layers, self.cache_slot, rows])
+                arena.v[layers, slot, rows].copy_(arena.v[layers, self.cache_slot, rows])
             arena.length[:, slot] += common
             arena.next_pos[slot] += common
         logits = model.append(arena, slot, torch.tensor(lay.ids[common:]))
