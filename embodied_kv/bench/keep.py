@@ -12,12 +12,12 @@ per segment: full reuse, CacheBlend, the no-static ablation). A frame's prefix
 and the method appends header + memory + query (kv/memory_methods.py). On CUDA a
 `full-graphs` row adds full recomputation as the engine runs it there (`memory.mode:
 full`): the packed step replayed from its CUDA graph, and a `keep-graphs` row KEEP's
-whole prefill replayed from one graph per prompt shape (engine/keep_graph.py; `--graphs`;
+whole prefill replayed from its graphs (engine/keep_graph.py; `--graphs`;
 `emulate` runs the graph code path on the CPU, a test of it, not a speed):
 
     ttft_ms      prefill of the plan prompt (cached KV placed, recomputation) to the
                  first token, the memory's blocks already refreshed; a graph row's request
-                 that meets a new prompt shape captures it (`captures`, `capture_ms`) and
+                 that no graph kept holds captures one (`captures`, `capture_ms`) and
                  its TTFT is the replay that follows
     compute_share  prompt token-layers computed / full recomputation's (device-free)
     refresh_ms   computing the blocks the updates before this request invalidated
@@ -196,7 +196,7 @@ def run_segments(model, n: int, args, device: str) -> dict:
             runner = getattr(m, "runner", None)
             before = runner.captures if runner is not None else 0
             slot, logits, first, ms = timed_prefill(m, model, arena, frame, lay, clock)
-            if runner is not None and runner.captures > before:  # a new shape: it captured
+            if runner is not None and runner.captures > before:  # no graph held it: it captured
                 out[m.name]["capture"].append(ms)  # apart; the TTFT is its replay's
                 arena.release(slot)
                 slot, logits, first, ms = timed_prefill(m, model, arena, frame, lay, clock)
@@ -281,7 +281,7 @@ def summarise(n: int, raw: dict) -> list[dict]:
             "same_answer": float(np.mean(s["same_answer"])),
             "compute_share": float(np.mean(s["share"])),  # token-layers computed / full's
             "active_per_layer": active,
-            "captures": len(s["capture"]),  # graph rows: requests that met a new shape
+            "captures": len(s["capture"]),  # graph rows: requests that captured
             "capture_ms": statistics.median(s["capture"]) if s["capture"] else 0.0,
         })  # fmt: skip
     return rows

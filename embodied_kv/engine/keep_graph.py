@@ -1,4 +1,4 @@
-"""KEEP's selective prefill as one CUDA graph per prompt shape (the GPU path).
+"""KEEP's selective prefill replayed from CUDA graphs (the GPU path).
 
 Eager, a KEEP prefill at 40 segments dispatches ~900 torch ops plus a host sync per
 layer (kv/recompute.py): on an H100 its launches cost more than full recomputation's
@@ -9,16 +9,22 @@ whole packed step. Every shape in it is static once the prompt is laid out:
 
 so the whole prefill (every layer's cached rows placed, the layer, the multi-hop
 selection, the narrowing) runs over static buffers without reading a value on the
-host, and `GraphRunner.graph_of` captures it once per shape (`GraphShape`) and
-replays it for every request of that shape. Inside the graph, per layer:
+host. A graph's shape (`GraphShape`) is a set of bounds, and one capture serves every
+request within them: the segment count S and k_i are data (padding segments are never
+chosen, the top k_i taken by rank among the graph's static top-k), the query is
+padded, the rows are bounds. A capture leaves room (`with_room`): up to the next
+multiple of SEGMENTS_GRAIN segments, each as long as the longest, and a query up to
+QUERY_GRAIN tokens longer, so a memory that grows and queries of other lengths replay
+it; a request takes the smallest graph kept that holds it. Inside the graph, per layer:
 
     1. the layer's cached rows of every segment, keys re-rotated, into the slot (the
        rows computed at this layer are overwritten by step 2, as eager never copies them)
     2. `layer_forward` over the m_i rows (padding rows write the scratch slot)
-    3. if k_(i+1) < k_i: the query rows' and every segment's last token's attention to
-       each segment (`read_attention`), top-k_(i+1) among the segments computed at
-       layer i, `hops` re-scorings (`top_segments`, as `KeepSelector`); the kept
-       tokens sorted to the front of the next layer's m_(i+1) rows, the rest padding
+    3. where the ratios can narrow (r_(i+1) under every earlier r): the query rows' and
+       every segment's last token's attention to each segment (`read_attention`), the
+       top k_(i+1) among the segments computed at layer i, `hops` re-scorings (as
+       `KeepSelector`, means as masked fp64 sums); the kept tokens sorted to the front
+       of the next layer's m_(i+1) rows, the rest padding
 
 The memory image lives on the device here (the request's cached rows in prompt order,
 `ImageCache(device=...)`: an update copies only the blocks it replaced), so a layer's
@@ -48,23 +54,26 @@ from embodied_kv.kv.memory_methods import keep
 from embodied_kv.kv.recompute import PrefillStats, source_list
 from embodied_kv.kv.selectors import (
     KeepConfig,
+    ranked,
     read_attention,
     segment_bounds,
     segment_sums,
     segment_tokens,
-    top_segments,
 )
 from embodied_kv.model.vla import VLA, StepInput
 from embodied_kv.storage.arena import KVArena
 from embodied_kv.storage.step import Segment, logit_rows, plan_step, to_device_as_one
 
 ROWS_GRAIN = 32  # a layer's row bound is rounded up to this: fewer shapes, fewer captures
-MAX_SHAPES = 8  # graphs kept (least recently used dropped): a growing memory makes new shapes
+SEGMENTS_GRAIN = 8  # a capture holds up to the next multiple of this many segments
+QUERY_GRAIN = 16  # and a query up to the next multiple of this many tokens
+MAX_SHAPES = 8  # graphs kept (least recently used dropped)
 
 
 @dataclass(frozen=True)
 class GraphShape:
-    """What a graph freezes: one capture serves every request with the same shape."""
+    """What a graph freezes, as bounds: a capture serves every request whose own shape
+    (`graph_shape`) they hold (`holds`)."""
 
     n_pad: int  # prompt tokens, padded (the first layer's rows)
     segments: int  # S
@@ -73,20 +82,55 @@ class GraphShape:
     keep: tuple[int, ...]  # segments computed per layer (k_0 = S)
     rows: tuple[int, ...]  # rows computed per layer (m_0 = n_pad)
 
+    def holds(self, need: GraphShape) -> bool:
+        scalars = ("n_pad", "segments", "query", "image_rows")
+        return all(getattr(self, f) >= getattr(need, f) for f in scalars) and all(
+            a >= b for a, b in zip(self.keep + self.rows, need.keep + need.rows, strict=True))
+
 
 def graph_shape(lay: PromptLayout, cfg: KeepConfig, num_layers: int) -> GraphShape:
-    spans = lay.segments()
-    s = len(spans)
-    lengths = sorted((n for _, n in spans), reverse=True)
-    n_pad = bucket(lay.n)
+    """The request's own shape: its k_i and the rows its k_i longest segments need."""
+    lengths = [n for _, n in lay.segments()]
     fixed = lay.n - sum(lengths)
+    return _shape(lengths, fixed, lay.n - lay.query_start, bucket(lay.n), cfg, num_layers)
+
+
+def with_room(lay: PromptLayout, cfg: KeepConfig, num_layers: int, max_len: int) -> GraphShape:
+    """The shape to capture for `lay`: room for up to the next multiple of SEGMENTS_GRAIN
+    segments (the new ones as long as the longest) and a query up to the next multiple of
+    QUERY_GRAIN tokens, so the requests that follow a growing memory replay it. The
+    request's own shape where that room would not fit the arena's slots (`max_len`)."""
+    lengths = [n for _, n in lay.segments()]
+    query = lay.n - lay.query_start
+    more = bucket(len(lengths) + 1, SEGMENTS_GRAIN) - len(lengths)
+    q_room = bucket(query + 1, QUERY_GRAIN)
+    longest = max(lengths)
+    n = lay.n + more * longest + q_room - query
+    fixed = lay.n - sum(lengths) + q_room - query
+    room = _shape(lengths + [longest] * more, fixed, q_room, bucket(bucket(n, ROWS_GRAIN)),
+                  cfg, num_layers)  # fmt: skip
+    if room.n_pad <= max_len and room.image_rows <= max_len:
+        return room
+    return graph_shape(lay, cfg, num_layers)
+
+
+def _shape(lengths: list[int], fixed: int, query: int, n_pad: int, cfg: KeepConfig,
+           num_layers: int) -> GraphShape:  # fmt: skip
+    s, lengths = len(lengths), sorted(lengths, reverse=True)
     keep, rows = [s], [n_pad]
     for i in range(1, num_layers):
         keep.append(min(keep[-1], math.ceil(cfg.ratio(i, num_layers) * s - 1e-9)))
         bound = fixed + sum(lengths[: keep[-1]])
         rows.append(rows[-1] if keep[-1] == keep[-2] else min(n_pad, bucket(bound, ROWS_GRAIN)))
     image = bucket(sum(lengths), ROWS_GRAIN)
-    return GraphShape(n_pad, s, lay.n - lay.query_start, image, tuple(keep), tuple(rows))
+    return GraphShape(n_pad, s, query, image, tuple(keep), tuple(rows))
+
+
+def narrowing(cfg: KeepConfig, num_layers: int) -> tuple[bool, ...]:
+    """Per layer i: whether the set computed can shrink after it, for some segment count
+    (r_(i+1) under r_0..r_i). The graph selects after these layers only."""
+    r = [cfg.ratio(i, num_layers) for i in range(num_layers)]
+    return tuple(i + 1 < num_layers and r[i + 1] < min(r[: i + 1]) for i in range(num_layers))
 
 
 class _Buffers:
@@ -98,7 +142,8 @@ class _Buffers:
         i64 = {"dtype": torch.int64, "device": dev}
         self.owner_of_token = torch.full((shape.n_pad,), s + 1, **i64)  # S: fixed, S+1: pad
         self.seg_last = torch.zeros(s, **i64)  # prompt token of each segment's last token
-        self.query = torch.zeros(shape.query, **i64)  # prompt tokens of the query
+        # the request's k_0 .. k_(L-1), then its segments S, query tokens, query_start, n
+        self.meta = torch.zeros(len(shape.keep) + 4, **i64)
         self.slot = torch.zeros(1, **i64)  # the request's slot
         r = shape.image_rows
         self.img_bounds = torch.zeros(s + 1, **i64)  # segment j: image rows [j] to [j + 1]
@@ -133,7 +178,7 @@ class GraphKeep:
         self.runner, self.cfg, self.name = runner, cfg or KeepConfig(), name
         self.max_shapes = max_shapes
         self.images = ImageCache(device=runner.arena.device)
-        self.graphs: dict[GraphShape, _Buffers] = {}
+        self.graphs: dict[GraphShape, _Buffers] = {}  # least recently used first
         self.last: tuple[PromptLayout, _Buffers] | None = None  # None: the last ran eagerly
         self.failed: str | None = None  # why graphs were given up (a capture failed)
         self.eager = keep(self.cfg)
@@ -148,9 +193,13 @@ class GraphKeep:
             out = self.eager.prefill(model, arena, slot, lay, frame)  # nothing to graph
             self.last = None
             return out
-        shape = graph_shape(lay, self.cfg, len(model.backbone.layers))
+        layers = len(model.backbone.layers)
+        need = graph_shape(lay, self.cfg, layers)
+        kept = [s for s in self.graphs if s.holds(need)]
+        shape = min(kept, key=lambda s: (s.n_pad, sum(s.rows), s.image_rows), default=None)
+        shape = shape or with_room(lay, self.cfg, layers, arena.spec.max_len)
         buf = self.graphs.get(shape) or _Buffers(model, arena, shape)
-        self._load(model, arena, slot, lay, shape, buf)
+        self._load(model, arena, slot, lay, need, shape, buf)
         if buf.replay is None:
             try:
                 buf.replay, buf.logits = self.runner.graph_of(
@@ -181,12 +230,13 @@ class GraphKeep:
         lay, buf = self.last
         spans = torch.tensor(lay.segments(), dtype=torch.int64).view(-1, 2)
         fixed = lay.n - int(spans[:, 1].sum())
-        per_layer = (buf.computed.cpu() * spans[:, 1]).sum(1)  # [L] segment tokens
+        per_layer = (buf.computed.cpu()[:, : len(spans)] * spans[:, 1]).sum(1)  # [L]
         return PrefillStats([fixed + int(t) for t in per_layer], [])
 
     def _load(self, model: VLA, arena: KVArena, slot: int, lay: PromptLayout,
-              shape: GraphShape, buf: _Buffers) -> None:  # fmt: skip
-        """The request's values into the shape's static buffers (device copies only)."""
+              need: GraphShape, shape: GraphShape, buf: _Buffers) -> None:  # fmt: skip
+        """The request's values (its own shape `need`) into the static buffers of the
+        graph's `shape` (device copies only)."""
         plan = plan_step(arena, [Segment(slot, lay.n, causal=True)], shape.n_pad)
         buf.step.load(plan, model.embed_inputs([StepInput(slot, ids=torch.tensor(lay.ids))],
                                                shape.n_pad))  # fmt: skip
@@ -194,19 +244,20 @@ class GraphKeep:
         row0, pos0 = int(rows0[0]), int(arena.next_pos[slot])
         sources = source_list(lay, row0, pos0)  # layer 0's slot rows
         image = self.images.pack(sources, model.backbone.rope, arena.device)
-        r, s = image.slot_row.shape[0], shape.segments
+        r, s, s_pad = image.slot_row.shape[0], need.segments, shape.segments
         tokens, seg, last = segment_tokens(lay)
-        owner = torch.full((shape.n_pad,), s + 1, dtype=torch.int64)
-        owner[: lay.n] = s
+        owner = torch.full((shape.n_pad,), s_pad + 1, dtype=torch.int64)
+        owner[: lay.n] = s_pad
         owner[tokens] = seg
         pad = shape.image_rows - r  # image rows past the request's: the scratch slot
-        img_bounds = segment_bounds(owner[image.slot_row - row0], s)  # image: prompt order
+        img_bounds = segment_bounds(owner[image.slot_row - row0], s_pad)  # padding: empty
         img_slot = torch.cat([torch.full((r,), slot), torch.full((pad,), arena.scratch_slot)])
         img_row = torch.cat([image.slot_row[None, :] + (rows0 - row0)[:, None],
                              torch.arange(r, shape.image_rows).expand(len(rows0), pad)], 1)
-        parts = [owner, last, torch.arange(lay.query_start, lay.n), img_bounds,
-                 img_slot, img_row, torch.tensor([slot])]  # fmt: skip
-        for dst, src in zip((buf.owner_of_token, buf.seg_last, buf.query, buf.img_bounds,
+        meta = torch.tensor([*need.keep, s, need.query, lay.query_start, lay.n])
+        last = torch.nn.functional.pad(last, (0, s_pad - s), value=lay.n - 1)  # padding: any
+        parts = [owner, last, meta, img_bounds, img_slot, img_row, torch.tensor([slot])]
+        for dst, src in zip((buf.owner_of_token, buf.seg_last, buf.meta, buf.img_bounds,
                              buf.img_slot, buf.img_row, buf.slot),
                             to_device_as_one(parts, arena.device), strict=True):  # fmt: skip
             dst.copy_(src, non_blocking=True)
@@ -220,19 +271,24 @@ class GraphKeep:
         backbone, arena = model.backbone, self.runner.arena
         rope, st = backbone.rope, buf.step
         step, x = st.plan, st.x
-        s, dev = shape.segments, x.device
-        computed = torch.ones(s, dtype=torch.bool, device=dev)  # segments computed now
+        s, dev, layers = shape.segments, x.device, len(shape.keep)
+        computed = torch.arange(s, device=dev) < buf.meta[layers]  # segments computed now
+        j = torch.arange(shape.query, device=dev)  # the query, padded: the last token again
+        query_on = (j < buf.meta[layers + 1]).double()
+        query = torch.minimum(buf.meta[layers + 2] + j, buf.meta[layers + 3] - 1)
         row_of = torch.arange(shape.n_pad, device=dev)  # each prompt token's row of x
         cos_sin = rope.at(step.position)
-        for i in range(len(shape.keep)):
+        narrows = narrowing(self.cfg, layers)
+        for i in range(layers):
             k = rope.rotate(buf.img_k[i], (buf.cos, buf.sin))
             arena.k[i].index_put_((buf.img_slot, buf.img_row[i]), k.to(arena.k.dtype))
             arena.v[i].index_put_((buf.img_slot, buf.img_row[i]), buf.img_v[i])
             x, q = backbone.layer_forward(i, x, cos_sin, step, arena)
-            if i + 1 == len(shape.keep) or shape.keep[i + 1] == shape.keep[i]:
+            if not narrows[i]:
                 continue
-            computed = self._select(i, q, step, row_of, computed, shape, buf, arena)
-            buf.computed[i + 1 :].copy_(computed.expand(len(shape.keep) - i - 1, s))
+            computed = self._select(i, q, step, row_of, (query, query_on), computed, shape,
+                                    buf, arena)  # fmt: skip
+            buf.computed[i + 1 :].copy_(computed.expand(layers - i - 1, s))
             keep_seg = torch.cat([computed, torch.ones(1, dtype=torch.bool, device=dev),
                                   torch.zeros(1, dtype=torch.bool, device=dev)])  # fmt: skip
             keep = keep_seg[buf.owner_of_token]  # [n_pad]: fixed, chosen segments
@@ -240,25 +296,31 @@ class GraphKeep:
             cos_sin = rope.at(step.position)
         return backbone.logits(backbone.norm(x), step.last_index)
 
-    def _select(self, i: int, q: torch.Tensor, step, row_of: torch.Tensor,
+    def _select(self, i: int, q: torch.Tensor, step, row_of: torch.Tensor, query,
                 computed: torch.Tensor, shape: GraphShape, buf: _Buffers,
                 arena: KVArena) -> torch.Tensor:  # fmt: skip
-        """KeepSelector's multi-hop choice on the device -> [S] bool: computed at i + 1."""
-        k = shape.keep[i + 1]
-        if k == 0:  # header and query alone from here on
+        """KeepSelector's multi-hop choice on the device -> [S] bool: computed at i + 1.
+        The request's k_(i+1) is data: the graph ranks its static top-k bound and keeps
+        the first k (padding and segments no longer computed rank last). `query`: the
+        query's prompt tokens, padded, and their weights (1: real, 0: padding)."""
+        bound = shape.keep[i + 1]
+        if bound == 0:  # header and query alone from here on
             return torch.zeros_like(computed)
-        src = torch.cat([row_of[buf.query], row_of[buf.seg_last]])  # rows of q
+        query, on = query
+        src = torch.cat([row_of[query], row_of[buf.seg_last]])  # rows of q
         lens = step.kv_len[i].index_select(0, src)
         keys = arena.k[i].index_select(0, buf.slot)[0]  # [T, Hkv, D] the request's slot
         probs = read_attention(q.index_select(0, src), keys, lens)  # [m, T]
-        mass = segment_sums(probs.index_select(1, buf.img_row[i]), buf.img_bounds)  # [m, S]
-        q_mass, rows = mass[: shape.query].mean(0), mass[shape.query :]
+        mass = segment_sums(probs.index_select(1, buf.img_row[i]), buf.img_bounds).double()
+        q_mass, rows = (mass[: shape.query] * on[:, None]).sum(0) / on.sum(), mass[shape.query :]
+        k = buf.meta[i + 1]
+        first_k = torch.arange(bound, device=k.device) < k  # [bound] ranks kept
         off = torch.full_like(q_mass, float("-inf"))
-        chosen = top_segments(torch.where(computed, q_mass, off), k)
+        chosen = ranked(torch.where(computed, q_mass, off), bound)
         for _ in range(self.cfg.hops):
-            score = q_mass + rows.index_select(0, chosen).mean(0)
-            chosen = top_segments(torch.where(computed, score, off), k)
-        return torch.zeros_like(computed).index_fill_(0, chosen, True)
+            set_mass = (rows.index_select(0, chosen) * first_k[:, None]).sum(0) / k.clamp(min=1)
+            chosen = ranked(torch.where(computed, q_mass + set_mass, off), bound)
+        return torch.zeros_like(computed).index_put_((chosen,), first_k)
 
 
 def _narrow(full, keep: torch.Tensor, row_of: torch.Tensor, x: torch.Tensor, m: int,

@@ -52,8 +52,8 @@ class MemoryPlanner:
         self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot)
 
     def use_graphs(self, runner: GraphRunner) -> None:
-        """KEEP's prefill replayed from one graph per prompt shape (engine/keep_graph.py):
-        the first plan of a new shape captures it, inside that plan's admission."""
+        """KEEP's prefill replayed from graphs (engine/keep_graph.py): the first plan that
+        no graph kept holds captures one, with room to grow, inside that plan's admission."""
         self.method = GraphKeep(runner, self.keep_cfg, "keep")
 
     def prefill_for(self, arena, text: str) -> Callable[[int], torch.Tensor] | None:

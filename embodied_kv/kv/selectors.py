@@ -183,22 +183,29 @@ class KeepSelector:
         attends through its last token (it has read the whole segment); the query rows
         and every candidate's last token are scored in one pass per layer. The hops run
         on the device without a stability test (a stable set stays stable), so the layer
-        syncs once, for the answer."""
+        syncs once, for the answer. Scores and their means are fp64: the graphed prefill
+        takes the same means as masked sums over padded sets, and in fp64 the order of
+        the additions does not decide a ranking."""
         query = torch.searchsorted(view.tokens, torch.arange(lay.query_start, lay.n))
         last = torch.searchsorted(view.tokens, segs.last[cand]) if self.cfg.hops else query[:0]
         mass = attention_mass(view, torch.cat([query, last]), segs)  # [len(query) + C, S]
         mass = mass.index_select(1, to_device(cand, mass.device))  # [len(query) + C, C]
-        q_mass, rows = mass[: len(query)].mean(0), mass[len(query) :]
+        q_mass, rows = mass[: len(query)].double().mean(0), mass[len(query) :].double()
         chosen = top_segments(q_mass, k)
         for _ in range(self.cfg.hops):
             chosen = top_segments(q_mass + rows.index_select(0, chosen).mean(0), k)
         return chosen.cpu()
 
 
+def ranked(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best, best first ([k] int64, score's device); stable on ties: the earlier
+    segment first."""
+    return torch.sort(-score, stable=True).indices[:k]
+
+
 def top_segments(score: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best, as ascending indices ([k] int64, score's device); stable on ties: the
-    earlier segment first."""
-    return torch.sort(-score.float(), stable=True).indices[:k].sort().values
+    """The k best, as ascending indices ([k] int64, score's device)."""
+    return ranked(score, k).sort().values
 
 
 class CacheBlendSelector:

@@ -256,12 +256,13 @@ def test_multi_hop_selection_is_a_fixed_point_and_one_hop_is_the_query_alone(wor
         mass = selectors.attention_mass(view, torch.tensor(query + last), segs)[:, cand]
         assert torch.equal(mass, attention_mass_per_span(view, query + last, cs))
         mine = [j for j in range(len(cand)) if cand[j] in chosen]
+        mass = mass.double()  # the selector's scores and means are fp64
         score = mass[: len(query)].mean(0) + mass[len(query) :][mine].mean(0)
         assert {cand[j] for j in selectors.top_segments(score, k).tolist()} == chosen  # stable
     for view, segs, cand, k, chosen in seen[0]:
         row = {t: j for j, t in enumerate(view.tokens.tolist())}
         query = torch.tensor([row[t] for t in range(lay.query_start, lay.n)])
-        q_mass = selectors.attention_mass(view, query, segs)[:, cand].mean(0)
+        q_mass = selectors.attention_mass(view, query, segs)[:, cand].double().mean(0)
         assert {cand[j] for j in selectors.top_segments(q_mass, k).tolist()} == chosen
 
 
