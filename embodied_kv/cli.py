@@ -114,7 +114,7 @@ def train_config(args: argparse.Namespace):
     from embodied_kv.world.dataset import DataConfig
 
     given = {k: getattr(args, k)
-             for k in ("batch", "buckets", "lr", "threads", "curriculum", "warmup",
+             for k in ("batch", "buckets", "lr", "threads", "curriculum", "ramp", "warmup",
                        "data_workers", "embed_std", "until", "stop_after")}  # fmt: skip
     data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
     return TrainConfig(
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ckpt-every", type=int, default=200)
     tr.add_argument("--curriculum", type=int,
                     help="steps of one-hop, unchanging memory facts first")  # fmt: skip
+    tr.add_argument("--ramp", type=int,
+                    help="steps after the curriculum over which memory updates and the "
+                         "two-hop share grow from 0 to their values (default 0: at once)")
     tr.add_argument("--warmup", type=int, help="linear warmup steps (default 100)")
     tr.add_argument("--init", help="weights file to start from (fine-tuning); default: fresh")
     tr.add_argument("--embed-std", type=float,

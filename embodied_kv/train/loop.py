@@ -61,6 +61,11 @@ class TrainConfig:
     # steps of the easy phase: one-hop memory queries over facts that never change (the
     # issue: associative recall sits at chance for long without a curriculum); 0 = none
     curriculum: int = 600
+    # steps after the curriculum over which memory updates and the two-hop share grow
+    # linearly from 0 to the data config's (0: at once). The lookup is learned on facts
+    # that never change (recall-probe --data world, docs/keep_research.md); a run whose
+    # streams held up to 24 updates from step 600 on had not learned it at step 12,000.
+    ramp: int = 0
     # a weights file of the same preset to start from (fine-tuning, e.g. on longer memory
     # streams); "" = fresh init from cfg.seed. The patch head starts fresh either way.
     init: str = ""
@@ -91,8 +96,9 @@ class TrainConfig:
             raise ValueError(f"buckets={self.buckets} must be in [1, batch={self.batch}]")
         if self.data_workers < 0:
             raise ValueError(f"data_workers={self.data_workers} must be >= 0")
-        if self.curriculum < 0:
-            raise ValueError(f"curriculum={self.curriculum} steps must be >= 0")
+        if self.curriculum < 0 or self.ramp < 0:
+            raise ValueError(f"curriculum={self.curriculum} and ramp={self.ramp} steps must "
+                             "be >= 0")  # fmt: skip
         if self.init and not Path(self.init).is_file():
             raise ValueError(f"init weights {self.init} do not exist")
         if not 0 <= self.embed_std < 1:
@@ -108,11 +114,16 @@ def data_seed(seed: int, step: int, i: int, batch: int) -> int:
 
 
 def data_at(cfg: TrainConfig, data: DataConfig, step: int) -> DataConfig:
-    """The data config of `step`: the curriculum's easy phase, then `data` as given."""
-    if step >= cfg.curriculum:
+    """The data config of `step`: the curriculum's easy phase, the ramp (memory updates
+    and two-hop share growing from 0), then `data` as given."""
+    if step < cfg.curriculum:
+        return DataConfig(**{**vars(data), "two_hop_share": 0.0, "memory_updates": 0,
+                             "memory_objects": 2})  # fmt: skip
+    f = (step - cfg.curriculum) / cfg.ramp if cfg.ramp else 1.0
+    if f >= 1:
         return data
-    return DataConfig(**{**vars(data), "two_hop_share": 0.0, "memory_updates": 0,
-                         "memory_objects": 2})  # fmt: skip
+    return DataConfig(**{**vars(data), "two_hop_share": f * data.two_hop_share,
+                         "memory_updates": int(f * data.memory_updates)})  # fmt: skip
 
 
 def lr_at(cfg: TrainConfig, step: int, done: float) -> float:

@@ -96,6 +96,18 @@ def test_curriculum_starts_with_one_hop_static_facts():
     assert data_at(cfg, data, 5) == data
 
 
+def test_the_ramp_grows_updates_and_two_hop_queries_after_the_curriculum():
+    cfg = TrainConfig(steps=100, curriculum=10, ramp=40)
+    data = DataConfig(two_hop_share=0.5, memory_updates=24, memory_objects=8)
+    at = {s: data_at(cfg, data, s) for s in (9, 10, 30, 49, 50, 99)}
+    assert at[9].memory_objects == 2 and at[10].memory_objects == 8  # the curriculum ends
+    assert [(at[s].memory_updates, at[s].two_hop_share) for s in (10, 30, 49)] == [
+        (0, 0.0), (12, 0.25), (23, 0.4875)]
+    assert at[50] == at[99] == data
+    with pytest.raises(ValueError, match="ramp=-1"):
+        TrainConfig(steps=1, ramp=-1)
+
+
 def test_cli_train(tmp_path, capsys):
     assert main(["train", "--steps", "2", "--batch", "2", "--out", str(tmp_path)]) == 0
     assert (tmp_path / WEIGHTS_FILE).is_file() and "trained 2 steps" in capsys.readouterr().out
