@@ -95,7 +95,8 @@ def selective_prefill(
     shift = [r - rows0[0] for r in rows0]
     loader = LayerLoader(arena, slot, backbone.rope, sources, schedule, image, shift=shift)
     try:
-        logits, stats = _layers(model, arena, slot, lay, selector, plan, x, loader, image)
+        logits, stats = _layers(model, arena, slot, lay, selector, plan, x, loader, image,
+                                rows0)  # fmt: skip
     finally:
         if images:  # after every read of the image, also when a layer failed mid-way
             images.fence(arena.device, getattr(loader, "stream", None))
@@ -103,12 +104,12 @@ def selective_prefill(
 
 
 def _layers(model: VLA, arena: KVArena, slot: int, lay: PromptLayout, selector: Selector,
-            plan: PackedStep, x: torch.Tensor, loader: LayerLoader,
-            image: HostImage | None) -> tuple[torch.Tensor, PrefillStats]:  # fmt: skip
-    """The layer loop: compute the active tokens, load the rest, narrow with depth."""
+            plan: PackedStep, x: torch.Tensor, loader: LayerLoader, image: HostImage | None,
+            rows0: list[int]) -> tuple[torch.Tensor, PrefillStats]:  # fmt: skip
+    """The layer loop: compute the active tokens, load the rest, narrow with depth.
+    `rows0`: each layer's slot row of prompt token 0."""
     backbone = model.backbone
     n, num_layers = lay.n, len(backbone.layers)
-    rows0 = arena.length[:, slot].tolist()  # [L] each layer's row of prompt token 0
     schedule = loader.schedule
     image_token = image.slot_row - rows0[0] if image is not None else None  # [R] host
     active = selector.initial(lay)  # [n] bool host: the rows of x and of `step`
