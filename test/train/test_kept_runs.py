@@ -31,4 +31,4 @@ def test_a_kept_run_resumes_with_its_flags(run):
 
 def test_the_kept_runs_are_found():
     """The glob above sees the run this repository keeps (else the test above is empty)."""
-    assert [p.name for p in KEPT] == ["world_path"]
+    assert [p.name for p in KEPT] == ["world_ramp"]
