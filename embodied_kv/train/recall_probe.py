@@ -11,8 +11,10 @@ with AdamW as `train` trains. Guessing the most frequent place of a sequence sco
 ~0.4 at 8 pairs: accuracy well above it means the lookup was learned ("escape").
 
 `data="world"`: the same lookup in the world's own memory text instead (world/memory.py:
-2..`pairs` containers, two movables, no updates, `queries` one-hop queries per stream,
-text only), the form the world model's plan samples give it.
+2..`pairs` containers, two movables, `queries` one-hop queries per stream, text only),
+the form the world model's plan samples give it; with no updates by default, and
+0..`updates` of them per stream (`--updates`: then a query asks for the latest of several
+facts about its container, as the world model's long streams do).
 
 `data="chain"`: two hops in the bare form. Half the facts place a container,
 `<colour> <container> <place> .`, half put a movable in one of them,
@@ -64,6 +66,7 @@ class ProbeConfig:
     embed_std: float = 0.0  # 0: the model's own init (train.loop.TrainConfig.embed_std)
     log_every: int = 100
     data: str = "pairs"  # or "world", "chain", "chain-cot"
+    updates: int = 0  # world: fact updates per stream, 0 .. this, uniform
 
     def __post_init__(self):
         if self.data in CHAINS and not 2 <= self.pairs <= 2 * len(COLOURS) * len(CONTAINERS):
@@ -76,6 +79,8 @@ class ProbeConfig:
         if not 1 <= self.pairs <= len(COLOURS) * len(SHAPES) or self.queries < 1:
             raise ValueError(f"pairs in [1, {len(COLOURS) * len(SHAPES)}], queries >= 1: "
                              f"{self}")  # fmt: skip
+        if self.updates and self.data != "world" or self.updates < 0:
+            raise ValueError(f"updates >= 0, and only for data 'world': {self}")
         if self.steps < 1 or self.batch < 1 or self.lr <= 0 or not 0 <= self.embed_std < 1:
             raise ValueError(f"bad probe config: {self}")
 
@@ -154,7 +159,8 @@ def world_batch(gen: torch.Generator, tokenizer, cfg: ProbeConfig):
     rows, labels = [], []
     for _ in range(cfg.batch):
         n = int(rng.integers(2, cfg.pairs + 1))
-        queries = sample_queries(rng, [1] * cfg.queries, n, 2, 0)
+        updates = int(rng.integers(cfg.updates + 1)) if cfg.updates else 0  # 0: no draw
+        queries = sample_queries(rng, [1] * cfg.queries, n, 2, updates)
         ids, lab = [tokenizer.bos_id], [IGNORE]
         for i, q in enumerate(queries):
             ids += tokenizer.encode(q.prompt if i == 0 else q.follow_up, bos=False)
@@ -260,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="pairs",
                    help="pairs (bare facts), chain (two hops, bare), chain-cot (two hops, the "
                    "container named first) or world (its text)")
+    p.add_argument("--updates", type=int, default=0,
+                   help="world: fact updates per stream, 0 .. this (default 0: none)")
     p.add_argument("--layers", type=int, default=0,
                    help="backbone depth (0: the preset's; the world model has 4)")
     p.add_argument("--lr", type=float, default=ProbeConfig.lr)
@@ -274,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         seeds = [int(x) for x in args.seeds.split(",")]
         stds = [float(x) for x in args.embed_std.split(",")]
-        given = {"steps": args.steps, "pairs": args.pairs, "lr": args.lr, "data": args.data}
+        given = {"steps": args.steps, "pairs": args.pairs, "lr": args.lr, "data": args.data,
+                 "updates": args.updates}
         configs = [[ProbeConfig(seed=seed, embed_std=std, **given) for seed in seeds]
                    for std in stds]  # fmt: skip
     except ValueError as e:

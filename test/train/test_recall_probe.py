@@ -160,6 +160,26 @@ def test_world_batches_label_each_answer_of_the_world_text(tmp_path):
         ProbeConfig(data="world", pairs=9)
 
 
+def test_world_batches_with_updates_label_the_latest_place(tmp_path):
+    """--updates: a stream holds later facts about its containers; each label is the place
+    in the latest fact about the queried container, and some streams hold an earlier,
+    different place for it (else the test would not tell latest from first)."""
+    tok = world_model(tmp_path).tokenizer
+    cfg = ProbeConfig(pairs=4, queries=3, batch=16, data="world", updates=8)
+    ids, labels = world_batch(torch.Generator().manual_seed(2), tok, cfg)
+    superseded = 0
+    for row, lab in zip(ids.tolist(), labels.tolist(), strict=True):
+        facts = tok.decode(row).split("Query")[0].split(" .")
+        for j in (j for j, x in enumerate(lab) if x != IGNORE):
+            subject = " ".join(tok.decode(row[:j]).split("where is the ")[-1].split()[:2])
+            said = [f.split()[-1] for f in facts if f"the {subject} is on the" in f]
+            assert tok.decode([lab[j]]).strip() == said[-1]
+            superseded += len(set(said)) > 1
+    assert superseded > 0
+    with pytest.raises(ValueError, match="updates"):
+        ProbeConfig(data="pairs", updates=2)
+
+
 def test_init_starts_from_a_weights_file_and_a_bad_one_is_refused(tmp_path, capsys):
     """--init: the shipped world weights (their embedding kept at --embed-std 0) start the
     run, so its first window differs from a fresh init's; a file of another preset is
