@@ -26,7 +26,8 @@ def engine(tmp_path_factory):
     disk = tmp_path_factory.mktemp("pi05") / "capsules"
     ecfg = EngineConfig(
         preset="pi05",
-        control_hz=0.01,  # a period of minutes: STEPS decode steps per cycle, no deadline
+        control_hz=0.001,  # a period of 1,000 s: STEPS decode steps per cycle, no deadline
+        # (0.01 left no decode time when this ran beside a training run: a cycle took > 100 s)
         narrate_every=1,
         narration_tokens=BUDGET,
         answer_tokens=BUDGET,
