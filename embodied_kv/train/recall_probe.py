@@ -30,7 +30,6 @@ the key is before where that is)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -38,9 +37,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 
 from embodied_kv.bench.report import write_json
+from embodied_kv.engine.loading import own_layout_config
 from embodied_kv.model.trained import world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights
@@ -327,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _probe_model(args, tokenizer_path):
     """The probe's model (fp32, the world's word tokenizer): fresh, or `--init`'s weights."""
-    cfg = world_config(args.preset, _saved_seed(args.init) if args.init else 0)
+    saved = own_layout_config(args.init) if args.init else None
+    cfg = world_config(args.preset, saved.seed if saved else 0)  # the file's init seed
     if args.layers:
         if args.init:
             raise ValueError("--layers builds a fresh model of that depth; --init loads one")
@@ -339,13 +339,3 @@ def _probe_model(args, tokenizer_path):
         load_weights(model, args.init)
     return model
 
-
-def _saved_seed(path: str) -> int:
-    """The init seed in a weights file's config (part of the config a file is checked
-    against; the weights shipped since 2026-11-26 were drawn from seed 2). 0 where the file
-    has none: load_weights then names what is wrong with it."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            return int(json.loads((f.metadata() or {})["config"]).get("seed", 0))
-    except (OSError, KeyError, ValueError, SafetensorError):
-        return 0
