@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from embodied_kv.engine.loading import own_layout_config
+from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
@@ -151,7 +153,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         check_fresh(out)  # a forgotten --resume does not replace hours of a saved run
     out.mkdir(parents=True, exist_ok=True)
     tok_path = save_tokenizer(out / TOKENIZER_FILE)
-    mcfg = world_config(cfg.preset, cfg.seed)
+    mcfg = model_config(cfg)
     data = DataConfig(**{**vars(cfg.data), "image_size": mcfg.vision.image_size,
                          "patch": mcfg.vision.patch_size,
                          "horizon": mcfg.action_horizon})  # fmt: skip
@@ -250,6 +252,17 @@ def save_run(cfg: TrainConfig, model, opt, head, gen, run: RunState) -> None:
     out = Path(cfg.out)
     save_state(out, model, cfg, opt, head, gen, run)
     save_checkpoint(model, out)
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+    """The preset's config at cfg.seed; with --init, the file's own config where it differs
+    from that only in its init seed (so `--init shipped.safetensors` needs no `--seed`;
+    any other mismatch is left to load_weights, which names it)."""
+    mcfg = world_config(cfg.preset, cfg.seed)
+    saved = own_layout_config(cfg.init) if cfg.init else None
+    if saved is not None and replace(mcfg, seed=saved.seed) == saved:
+        return saved
+    return mcfg
 
 
 @torch.no_grad()

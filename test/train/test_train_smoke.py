@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from embodied_kv.cli import main
 from embodied_kv.engine.engine import Engine, EngineConfig
+from embodied_kv.engine.loading import own_layout_config
 from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained
 from embodied_kv.model.vla import Observation
 from embodied_kv.train.loop import TrainConfig, call_over, data_at, lr_at, run_done, train
@@ -140,6 +141,10 @@ def test_fine_tuning_starts_from_the_given_weights(tmp_path):
                           data=DataConfig(memory_objects=8, memory_updates=24))  # fmt: skip
         runs[name] = train(cfg, progress=False)[0]["loss"]
     assert runs["tuned"] < 0.6 * runs["fresh"], runs
+    other_seed = tmp_path / "seed3"  # data seed 3; the model keeps the file's init seed 0
+    train(TrainConfig(out=str(other_seed), steps=1, batch=2, seed=3, init=str(base / WEIGHTS_FILE)),
+          progress=False)  # fmt: skip
+    assert own_layout_config(other_seed / WEIGHTS_FILE).seed == 0
     with pytest.raises(ValueError, match="do not exist"):
         TrainConfig(steps=1, init=str(tmp_path / "none.safetensors"))
     with pytest.raises(ValueError, match="memory_objects"):
