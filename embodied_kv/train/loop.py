@@ -153,7 +153,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         check_fresh(out)  # a forgotten --resume does not replace hours of a saved run
     out.mkdir(parents=True, exist_ok=True)
     tok_path = save_tokenizer(out / TOKENIZER_FILE)
-    mcfg = model_config(cfg)
+    mcfg = model_config(cfg.preset, cfg.seed, cfg.init)
     data = DataConfig(**{**vars(cfg.data), "image_size": mcfg.vision.image_size,
                          "patch": mcfg.vision.patch_size,
                          "horizon": mcfg.action_horizon})  # fmt: skip
@@ -254,12 +254,12 @@ def save_run(cfg: TrainConfig, model, opt, head, gen, run: RunState) -> None:
     save_checkpoint(model, out)
 
 
-def model_config(cfg: TrainConfig) -> ModelConfig:
-    """The preset's config at cfg.seed; with --init, the file's own config where it differs
-    from that only in its init seed (so `--init shipped.safetensors` needs no `--seed`;
-    any other mismatch is left to load_weights, which names it)."""
-    mcfg = world_config(cfg.preset, cfg.seed)
-    saved = own_layout_config(cfg.init) if cfg.init else None
+def model_config(preset: str, seed: int, init: str = "") -> ModelConfig:
+    """The preset's config at `seed`; with an `init` file, the file's own config where it
+    differs from that only in its init seed (so `--init shipped.safetensors` needs no
+    `--seed`; any other mismatch is left to load_weights, which names it)."""
+    mcfg = world_config(preset, seed)
+    saved = own_layout_config(init) if init else None
     if saved is not None and replace(mcfg, seed=saved.seed) == saved:
         return saved
     return mcfg

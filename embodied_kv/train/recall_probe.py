@@ -39,14 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from embodied_kv.bench.report import write_json
-from embodied_kv.engine.loading import own_layout_config
-from embodied_kv.model.trained import world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import IGNORE, pad_rows
 from embodied_kv.train.forward import backbone_layers
-from embodied_kv.train.loop import redraw_embedding
+from embodied_kv.train.loop import model_config, redraw_embedding
 from embodied_kv.world.memory import sample_queries
 from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES, PLACES
 
@@ -326,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _probe_model(args, tokenizer_path):
     """The probe's model (fp32, the world's word tokenizer): fresh, or `--init`'s weights."""
-    saved = own_layout_config(args.init) if args.init else None
-    cfg = world_config(args.preset, saved.seed if saved else 0)  # the file's init seed
+    cfg = model_config(args.preset, 0, args.init or "")  # the file's init seed
     if args.layers:
         if args.init:
             raise ValueError("--layers builds a fresh model of that depth; --init loads one")
@@ -338,4 +335,3 @@ def _probe_model(args, tokenizer_path):
     if args.init:
         load_weights(model, args.init)
     return model
-
