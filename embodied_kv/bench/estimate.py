@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from embodied_kv.bench import harness
+from embodied_kv.bench import harness, limit
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
@@ -37,9 +37,9 @@ from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import DENOISE_BUCKETS, StepInput, build_model
 from embodied_kv.storage.step import Segment, commit_step, plan_step
 
-# H100 SXM: bf16 dense and HBM3 (PI05_FACTS.md: the arithmetic limit uses these two
+# H100 SXM: bf16 dense and HBM3 (the arithmetic limit, bench/limit.py, uses these two
 # numbers); fp32 GEMMs without TF32 run on the 67 TFLOP/s fp32 units
-H100 = dict(flops_per_s=990e12, bytes_per_s=3.35e12, fp32_flops_per_s=67e12)
+H100 = dict(flops_per_s=limit.PEAK_FLOPS, bytes_per_s=limit.HBM_BYTES_PER_S, fp32_flops_per_s=67e12)
 COMPUTE_EFF = 0.70  # large cuBLAS bf16 GEMMs on H100 SXM reach ~650-750 TFLOP/s
 MEMORY_EFF = 0.80  # streaming kernels reach ~2.7 TB/s of 3.35
 GRAPH_GAP_S = 1.5e-6  # per kernel node in a replayed graph (launch + tail), H100
@@ -48,8 +48,7 @@ EAGER_LAUNCH_S = 6e-6  # per torch op launched from Python (CPU-bound when kerne
 # the online softmax), measured on the H100 (2026-11-22): the unsplit expert attention took
 # 83 us for its programs' 52 steps (1.6 us), the prefill tile 43.5 us for 42 (1.0 us)
 STEP_LATENCY_S = 1.3e-6
-FACTS_LIMIT_MS = {2: 5.3, 3: 6.6}  # PI05_FACTS.md: bf16 arithmetic limit, 10 Euler steps
-TEXT_TOKENS = 48  # the limit's prompt length (PI05_FACTS.md)
+TEXT_TOKENS = limit.TEXT_TOKENS  # the published limit's prompt length
 REGIONS = ("vision", "embed", "prefill", "logits", "denoise")
 CAPTURED = {"vision", "prefill", "logits", "denoise"}  # engine/graphs.py: vision, step, denoise
 
@@ -231,14 +230,15 @@ def estimate(cameras_list=(2, 3), text_tokens: int = TEXT_TOKENS) -> dict:
                 "busy_ms": 1e3 * sum(t[r].busy_s for r in REGIONS),
                 "graph_gaps_ms": 1e3 * GRAPH_GAP_S * sum(t[r].kernels for r in REGIONS),
                 "limit_ms_of_this_code": 1e3 * sum(x.ideal_s for x in limit_parts.values()),
-                "limit_ms_facts": FACTS_LIMIT_MS.get(cams),
+                # bench/limit.py at this prefix (48 text tokens: 5.31 / 6.61 ms)
+                "limit_ms": limit.limit_ms(cams, cams * full.vision.tokens + text_tokens),
                 "estimate_ms": today,
                 "estimate_all_graphs_ms": all_graphs,
                 "estimate_all_graphs_row_bucket_ms": row_bucket,
             }
         )
         r = rows[-1]
-        r["ratio"] = r["estimate_ms"] / r["limit_ms_facts"] if r["limit_ms_facts"] else None
+        r["ratio"] = r["estimate_ms"] / r["limit_ms"]
     return {
         "benchmark": "estimate",
         "device": "H100 SXM (estimated; no GPU run)",
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["kernels_total"],
                 r["tflop"],
                 r["gbytes"],
-                r["limit_ms_facts"],
+                r["limit_ms"],
                 r["busy_ms"],
                 r["graph_gaps_ms"],
                 r["estimate_ms"],

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from embodied_kv.bench import latency, latency_breakdown
+from embodied_kv.bench import latency, latency_breakdown, limit
 from embodied_kv.model.config import get_preset
 
 
@@ -18,7 +18,9 @@ def test_bench_latency_breakdown_json(tmp_path, capsys):
     assert [r["cameras"] for r in rows] == list(range(1, get_preset("tiny").num_cameras + 1))
     for r in rows:
         assert r["graphs_ms"]["median"] > 0 and r["eager_ms"]["median"] > 0
-        assert r["limit_ms"] is None and r["graphs_over_limit"] is None  # tiny on a CPU
+        for key in ("limit_ms", "graphs_over_limit", "limit_48_text_ms",
+                    "graphs_over_limit_48_text", "limit_rows"):
+            assert r[key] is None, key  # tiny on a CPU: no limit is judged
         parts = r["breakdown_ms"]
         assert list(parts) == list(latency_breakdown.REGIONS)
         assert all(v >= 0 for v in parts.values()), parts
@@ -53,3 +55,42 @@ def test_timed_methods_restores_the_originals():
     assert spent == {"work": 1.0, "fail": 1.0}  # a failing call still counts its time
     assert "work" not in vars(thing) and thing.work(1) == 2
     assert vars(thing)["fail"] is own
+
+
+def test_the_limit_at_48_text_tokens_is_the_published_one():
+    """5.3 / 6.6 ms for 2 / 3 cameras and a 48-token prompt (560 / 816 prefix rows)."""
+    assert limit.prefix_rows(2) == 560 and limit.prefix_rows(3) == 816
+    assert round(limit.limit_ms(2, 560), 1) == 5.3
+    assert round(limit.limit_ms(3, 816), 1) == 6.6
+
+
+def test_the_limit_grows_with_the_rows_and_refuses_too_few():
+    at = [limit.limit_ms(2, n) for n in (560, 600, 663, 800)]
+    assert at == sorted(at) and len(set(at)) == 4
+    # one more text row costs at least its backbone GEMM FLOPs (2 x 1.98e9 at 990 TFLOP/s)
+    assert at[1] - at[0] > 40 * 2 * limit.BACKBONE_LINEAR_PARAMS / limit.PEAK_FLOPS * 1e3
+    with pytest.raises(ValueError, match="cannot hold 2 cameras"):
+        limit.limit_ms(2, 500)
+
+
+def test_a_row_is_judged_against_the_limit_of_the_rows_it_measured():
+    """The H100 run of 2026-11-23: 25.5 / 28.1 ms over 663 / 921 prefix rows (a byte-level
+    prompt of ~150 tokens); dividing by the 48-token limit overstated the gap."""
+    two, three = latency.limit_fields(2, 663, 25.5), latency.limit_fields(3, 921, 28.1)
+    assert round(two["limit_ms"], 2) == 5.75 and round(three["limit_ms"], 2) == 7.06
+    assert round(two["graphs_over_limit"], 2) == 4.44
+    assert round(three["graphs_over_limit"], 2) == 3.98
+    assert round(two["limit_48_text_ms"], 1) == 5.3 and round(three["limit_48_text_ms"], 1) == 6.6
+    assert round(two["graphs_over_limit_48_text"], 2) == 4.80
+    assert two["limit_rows"] == 663
+    assert two["graphs_over_limit"] < two["graphs_over_limit_48_text"]
+
+
+def test_the_verdict_names_both_limits(capsys):
+    row = {"cameras": 2, "prefix_len": 663, "graphs_ms": {"median": 25.5, "p90": 26.0},
+           "eager_ms": {"median": 261.0}, "eager_over_graphs": 10.2,
+           **latency.limit_fields(2, 663, 25.5)}  # fmt: skip
+    latency.report({"rows": [row], "graph_mode": "cuda", "goal_x_limit": 1.5})
+    out = capsys.readouterr().out
+    assert "VERDICT FAIL" in out and "4.44x the limit of its 663 prefix rows" in out
+    assert "4.80x the 48-text-token limit" in out
