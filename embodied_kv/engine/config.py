@@ -1,5 +1,5 @@
 """The engine's configuration: one frozen dataclass the ROS parameters
-(ros/engine_params.py), the demo and the benchmarks build, checked when it is made."""
+(engine/params.py), the demo and the benchmarks build, checked when it is made."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 @dataclass(frozen=True)
 class RobotSpec:
-    """The robot block of the YAML (ros/engine_params.py reads it)."""
+    """The robot block of the YAML (engine/params.py reads it)."""
 
     state_dim: int = 0  # robot state values; 0 = from the statistics, else the model's
     action_dim: int = 0  # commands per tick; 0 = from the statistics, else the model's

@@ -24,13 +24,13 @@ from rclpy.parameter import Parameter
 from rclpy.signals import SignalHandlerOptions
 from rclpy.utilities import remove_ros_args
 
+from embodied_kv.config_file import RobotParams, default_config_path, load_params
 from embodied_kv.ros.action_expert import ActionExpertNode
 from embodied_kv.ros.engine_host import EngineHost
 from embodied_kv.ros.kv_manager import KvManagerNode
 from embodied_kv.ros.language_expert import LanguageExpertNode
 from embodied_kv.ros.lifecycle_node import EmbodiedNode
 from embodied_kv.ros.memory_planner import MemoryPlannerNode
-from embodied_kv.ros.params import RobotParams, default_config_path, load_params
 from embodied_kv.ros.prefill import PrefillNode
 
 # Creation order = configure order; the kv_manager comes first once it owns the arena.

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import rclpy
 
-from embodied_kv.ros.params import default_config_path, load_params
+from embodied_kv.config_file import default_config_path, load_params
 
 NAMESPACE = "/embodied_kv_demo"
 READY_TIMEOUT_S = 300.0  # first run on a cold machine: imports + engine build

@@ -17,10 +17,10 @@ from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from std_msgs.msg import Float64MultiArray
 from trajectory_msgs.msg import JointTrajectory
 
+from embodied_kv.config_file import RobotParams
 from embodied_kv.model.config import get_preset
 from embodied_kv.msg import MemoryUpdate, TextChunk
 from embodied_kv.ros.demo_report import Asked, Report
-from embodied_kv.ros.params import RobotParams
 from embodied_kv.ros.prefill import DEFAULT_CAMERAS, DEFAULT_JOINTS, camera_topic
 from embodied_kv.ros.rate_probe import RateProbe
 from embodied_kv.ros.sim_robot import SimRobot

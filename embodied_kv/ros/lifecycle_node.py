@@ -17,8 +17,8 @@ from rcl_interfaces.msg import ParameterDescriptor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
 
 from embodied_kv.engine.engine import Engine
+from embodied_kv.engine.params import ENGINE_PARAMS, engine_config
 from embodied_kv.ros.engine_host import EngineHost
-from embodied_kv.ros.engine_params import ENGINE_PARAMS, engine_config
 from embodied_kv.ros.messages import excerpt
 
 REJECT_LOG_EVERY_S = 2.0  # the same rejection reason is logged at most this often

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from embodied_kv.ros.engine_params import ENGINE_PARAMS, engine_config
-from embodied_kv.ros.params import default_config_path, load_params
+from embodied_kv.config_file import default_config_path, load_params
+from embodied_kv.engine.params import ENGINE_PARAMS, engine_config
 
 
 def test_shipped_config_is_the_world_preset_at_50_hz_and_makes_an_engine_config():

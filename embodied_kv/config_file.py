@@ -1,6 +1,7 @@
-"""Reading config/*.yaml, the ROS 2 parameter file that drives launch and demo alike.
+"""Reading config/*.yaml, the ROS 2 parameter file that drives launch, demo and serve.
 
-YAML is parsed here, at the ROS edge, and nowhere below it (STYLE 4).
+YAML is parsed here, for the two edges (ros/ and serve/), and nowhere below them
+(STYLE 4): the engine and everything under it take the frozen dataclasses.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def default_config_path() -> Path:
     """config/robot.yaml of the source tree, else of the installed package share."""
-    source_tree = Path(__file__).resolve().parents[2] / "config" / CONFIG_NAME
+    source_tree = Path(__file__).resolve().parents[1] / "config" / CONFIG_NAME
     if source_tree.is_file():
         return source_tree
     try:

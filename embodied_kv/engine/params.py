@@ -1,4 +1,5 @@
-"""The engine's parameters: declared on every node, read into one EngineConfig.
+"""The engine's parameters: declared on every ROS node (and read by `serve`), into one
+EngineConfig.
 
 They belong in the `/**` section of config/robot.yaml: the one engine of the process
 is built from the parameters of the first node that configures, and a node whose
