@@ -12,10 +12,7 @@ Pillow reads from the file header (`Image.open` is lazy), before the full decode
 (unsupported encoding, zero size, data that does not match the header, a corrupt
 file) is a ValueError with the reason: the frame is skipped.
 
-Resizing is LeRobot's `resize_with_pad_torch` (policies/common/vla_utils.py, "exact
-copy" of openpi's torch path): pixels / 255 in [0, 1], bilinear without antialiasing to
-int(h / ratio) x int(w / ratio) with ratio = max(w / S, h / S), clamp to [0, 1], padded
-centred with 0, then * 2 - 1 (pi05 `_preprocess_images`), so the padding is -1.
+Resizing: model/image_input.py (rgb_to_input), shared with `embodied-kv serve`.
 """
 
 from __future__ import annotations
@@ -26,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from embodied_kv.model.image_input import rgb_to_input
 
 # encoding -> (channels, source channel of R, G, B)
 ENCODINGS: dict[str, tuple[int, tuple[int, int, int]]] = {
@@ -136,21 +134,6 @@ def compressed_to_rgb(msg, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
         except Exception as e:  # truncated or corrupt data: OSError, SyntaxError, ...
             raise ValueError(f"corrupt {img.format.lower()} ({w}x{h}): {e}") from None
         return np.asarray(img.convert("RGB"))
-
-
-def rgb_to_input(rgb: np.ndarray, size: int) -> torch.Tensor:
-    """[H, W, 3] uint8 -> [3, size, size] float32 in [-1, 1] (LeRobot resize_with_pad_torch)."""
-    h, w, _ = rgb.shape
-    rgb = np.require(rgb, np.uint8, ["C", "W"])  # torch wants writable memory; copies if not
-    x = torch.from_numpy(rgb).permute(2, 0, 1).to(torch.float32) / 255.0
-    if (h, w) != (size, size):  # pi05 `_preprocess_images` resizes only another size
-        ratio = max(w / size, h / size)
-        rh, rw = int(h / ratio), int(w / ratio)
-        x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", align_corners=False)[0]
-        x = x.clamp(0.0, 1.0)
-        top, left = (size - rh) // 2, (size - rw) // 2
-        x = F.pad(x, (left, size - rw - left, top, size - rh - top), value=0.0)
-    return x * 2.0 - 1.0  # [3, size, size]
 
 
 def message_to_input(msg, size: int, limits: ImageLimits = DEFAULT_LIMITS) -> torch.Tensor:
