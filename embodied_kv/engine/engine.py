@@ -25,6 +25,7 @@ from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.admission import fit_problem
 from embodied_kv.engine.ar_loop import ARLoop
 from embodied_kv.engine.config import EngineConfig
+from embodied_kv.engine.ended import EndedRequests
 from embodied_kv.engine.events import OpenRequests, TextEvent, cancellations, open_requests
 from embodied_kv.engine.faults import CycleFaults
 from embodied_kv.engine.frame_loop import CycleResult, FrameLoop
@@ -66,6 +67,7 @@ class SessionCounters:
     refused_queue_full: int = 0
     refused_too_long: int = 0
     cancelled: int = 0  # requests dropped by a restore (reset, rollback), each told so
+    dropped_ended: int = 0  # requests a restored capsule held that had already ended
     restores: int = 0
 
 
@@ -118,6 +120,7 @@ class Engine:
         self.planner = MemoryPlanner(self.model, self.memory, cfg.memory_mode, cfg.keep)
         self.loop.planner = self.planner
         self.store = CapsuleStore(cfg.store, self.model.device)
+        self.ended = EndedRequests(self.store)  # ids a restore must never bring back
         if graph_mode is None:
             graph_mode = default_mode(self.model.device) if cfg.cuda_graphs else "off"
         self.graphs = None
@@ -209,6 +212,7 @@ class Engine:
                     self.queue.hold()
                 raise
             self.faults.succeeded()
+            self.ended.add(e.request_id for e in result.events if e.done)
             self.frame += 1
             if self.cfg.history:
                 self._record_boundary()
@@ -222,6 +226,14 @@ class Engine:
         for s in arena.in_use():
             if s not in before and s not in held:
                 arena.release(s)
+
+    def finish_all(self) -> list[TextEvent]:
+        """Decode every live request to its end without a deadline (shutdown, tests):
+        their final events leave here, so they have ended like any other."""
+        with self.lock:
+            events = self.take_events() + self.loop.finish_all()
+            self.ended.add(e.request_id for e in events if e.done)
+            return events
 
     def take_events(self) -> list[TextEvent]:
         with self.lock:
@@ -299,6 +311,7 @@ class Engine:
                 {"instruction": self.instruction, "frame": self.frame},
             )
             self.store.put(cap, tier, pin)
+            self.ended.sync()  # a capsule that holds ended ids may have reached the disk
             return elapsed_ms(t, clock)
 
     def restore(self, name: str = EPISODE_START, kv_only: bool = False) -> float:
@@ -322,8 +335,11 @@ class Engine:
         )
         open_before = self._open_requests()
         staged.apply()  # copies into fixed buffers and object swaps only
+        if not kv_only:
+            self._drop_ended(cap.meta)
         ms = elapsed_ms(t, clock)
         self.store.used(cap)  # LRU + promotion, best effort
+        self.ended.sync()
         self.counters.restores += 1
         self._new_timeline(open_before, f"cancelled: the session was restored to {name!r}")
         return ms
@@ -345,6 +361,17 @@ class Engine:
             check_identity(cap, self.identity)
             return fork_slots(cap, self.manager.arena, n)
 
+    def _drop_ended(self, meta: dict) -> None:
+        """Requests the capsule holds whose final event has already left (here or, by the
+        disk tier's ledger, in another process) are not restored: slots and queue places
+        go back. An id that has ended never produces another event (docs/requests.md)."""
+        ended = self.ended.of(meta)
+        for rid in ended & set(self.manager.requests):
+            self.manager.release(self.manager.requests[rid])
+        if ended:
+            self.policy.discard(ended)
+        self.counters.dropped_ended += len(ended)
+
     def _open_requests(self) -> OpenRequests:
         return open_requests(self.manager, self.policy.pending(), self.frame)
 
@@ -353,6 +380,7 @@ class Engine:
         was open and is gone gets its final CANCELLED event, the loop runs again."""
         self.policy.epoch.advance()
         gone = cancellations(open_before, self._open_requests(), reason)
+        self.ended.add(e.request_id for e in gone)
         self.counters.cancelled += len(gone)
         self._outbox += gone
         self.faults.clear()

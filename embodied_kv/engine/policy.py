@@ -194,6 +194,11 @@ class LanguagePolicy:
         with self._lock:
             return list(self._asked)
 
+    def discard(self, ids: set[str]) -> None:
+        """Drop waiting requests by id (ended ones a restore brought back)."""
+        with self._lock:
+            self._asked = deque(t for t in self._asked if t.request_id not in ids)
+
     def take_pending(self) -> list[TaskSpec]:
         with self._lock:
             tasks = list(self._asked)

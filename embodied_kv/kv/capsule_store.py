@@ -153,6 +153,10 @@ class CapsuleStore:
     def names(self) -> list[str]:
         return sorted(list(self._caps))
 
+    def metas(self) -> list[tuple[str, str, dict]]:
+        """(name, tier, meta) of every capsule: the metadata is in memory for every tier."""
+        return [(c.name, c.tier, c.meta) for c in list(self._caps.values())]
+
     def bytes_by_tier(self) -> dict[str, int]:
         used = dict.fromkeys(TIERS, 0)
         for c in list(self._caps.values()):
