@@ -10,6 +10,8 @@ below), so a capsule restore, which copies into the arena, needs no recapture.
 * denoising: the whole 10-step Euler loop as one graph per (slot, row bucket); the
   expert reads rows [0, bucket) and masks those past the prefix length (a device
   scalar), exactly as the eager path does (model/vla.py `denoise_rows`).
+* RTC (model/rtc.py): the guided Euler loop, its VJP through the expert included, as one
+  graph per (slot, row bucket, guidance, beta); the previous chunk and W are static inputs.
 * vision: the SigLIP tower and projector as one graph per number of present cameras
   (1 .. num_cameras): the images copied into a static input, the image tokens read from
   the static output (at pi05 ~570 kernels per frame, launch-bound when eager).
@@ -37,6 +39,7 @@ import torch
 
 from embodied_kv.engine.graph_emulation import record
 from embodied_kv.kernels.packed_attention import ROW_BUCKET
+from embodied_kv.model.rtc import sample_guided
 from embodied_kv.model.vla import VLA, StepInput, denoise_rows
 from embodied_kv.storage.arena import KVArena
 from embodied_kv.storage.step import PackedStep, Segment, commit_step, logit_rows, plan_step
@@ -116,7 +119,7 @@ class GraphRunner:
         self.replays = 0
         self.captures = 0
 
-    def capture(self) -> None:
+    def capture(self, rtc=None) -> None:
         """Capture every step bucket, the denoise loop of every slot and row bucket and the
         vision tower at every camera count (configure time; nothing is captured during a
         control cycle after this)."""
@@ -130,6 +133,8 @@ class GraphRunner:
         for slot in range(spec.num_slots):
             for r in rows:
                 self._denoise_graph(slot, r)
+                if rtc is not None and rtc.enabled:
+                    self._guided_graph(slot, r, rtc)
 
     # -- packed step -----------------------------------------------------------------
 
@@ -202,6 +207,41 @@ class GraphRunner:
             expert, arena = self.model.expert, self.arena
             replay, out = self.graph_of(lambda: expert.sample(arena, slot, plen_s, noise_s, rows))
             self._denoise[key] = (replay, out, noise_s, plen_s)
+        return self._denoise[key]
+
+    @torch.no_grad()
+    def sample_guided(self, slot: int, prefix_len: int, noise: torch.Tensor, guide, rtc):
+        """Replay the RTC-guided Euler loop (model/rtc.py) for (slot, row bucket, guidance,
+        beta) -> chunk [H, A]; None when off. The VJP runs inside the graph."""
+        if not self.enabled:
+            return None
+        rows = denoise_rows(prefix_len, self.arena.spec.max_len)
+        replay, out, noise_s, plen_s, target_s, w_s = self._guided_graph(slot, rows, rtc)
+        noise_s.copy_(noise, non_blocking=True)
+        plen_s.fill_(prefix_len)
+        target_s.copy_(guide.target, non_blocking=True)
+        w_s.copy_(guide.weights, non_blocking=True)
+        replay()
+        self.replays += 1
+        return out.clone()
+
+    def _guided_graph(self, slot: int, rows: int, rtc) -> tuple:
+        key = ("rtc", slot, rows, rtc.guidance, rtc.max_guidance)
+        if key not in self._denoise:
+            c, dev = self.model.cfg, self.arena.device
+            noise_s = torch.zeros(c.action_horizon, c.action_dim, device=dev)
+            plen_s = torch.full((), rows, dtype=torch.int64, device=dev)
+            target_s = torch.zeros(c.action_horizon, c.action_dim, device=dev)  # [H, A] Y
+            w_s = torch.zeros(c.action_horizon, device=dev)  # [H] W
+            expert, arena = self.model.expert, self.arena
+            beta, kind = rtc.max_guidance, rtc.guidance
+
+            def fn():
+                return sample_guided(expert, arena, slot, plen_s, noise_s, target_s, w_s, beta,
+                                     kind, rows)  # fmt: skip
+
+            replay, out = self.graph_of(fn)
+            self._denoise[key] = (replay, out, noise_s, plen_s, target_s, w_s)
         return self._denoise[key]
 
     # -- vision ----------------------------------------------------------------------

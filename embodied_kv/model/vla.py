@@ -27,6 +27,7 @@ from embodied_kv.model.backbone import GemmaBackbone
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
+from embodied_kv.model.rtc import Guide, RTCConfig, sample_guided
 from embodied_kv.model.vision import VisionEncoder
 from embodied_kv.storage.arena import ArenaSpec, KVArena
 from embodied_kv.storage.step import Segment, commit_step, plan_step, to_device
@@ -218,8 +219,13 @@ class VLA(nn.Module):
         prefix_len: int,
         noise: torch.Tensor,
         compressed: bool = False,
+        guide: Guide | None = None,
+        rtc: RTCConfig | None = None,
     ) -> torch.Tensor:
         """Action chunk [H, A] from the prefix rows [0, prefix_len) of `slot`.
+
+        `guide` (with `rtc`): real-time chunking towards the previous chunk (model/rtc.py);
+        None: the plain Euler loop.
 
         Replays the denoise graph when engine/graphs.py holds one for this arena; the
         eager path computes the same bytes (same row bucket, same masked loop).
@@ -235,17 +241,27 @@ class VLA(nn.Module):
             rows = denoise_rows(int(lens.max()), arena.spec.max_len)
             plen = torch.full((), prefix_len, dtype=torch.int64, device=self.device)
             layer_rows = to_device(lens.clone(), self.device)
+            if guide is not None:
+                return sample_guided(self.expert, arena, slot, plen, noise, guide.target,
+                                     guide.weights, rtc.max_guidance, rtc.guidance, rows,
+                                     layer_rows)  # fmt: skip
             return self.expert.sample(arena, slot, plen, noise, rows, layer_rows)
         if not 0 < prefix_len <= int(lens.min()):
             raise ValueError(
                 f"prefix_len {prefix_len} not within slot {slot}'s {arena.slot_len(slot)} rows"
             )
         if self.graphs is not None and self.graphs.arena is arena:
-            chunk = self.graphs.sample_actions(slot, prefix_len, noise)
+            if guide is None:
+                chunk = self.graphs.sample_actions(slot, prefix_len, noise)
+            else:
+                chunk = self.graphs.sample_guided(slot, prefix_len, noise, guide, rtc)
             if chunk is not None:
                 return chunk
         rows = denoise_rows(prefix_len, arena.spec.max_len)
         plen = torch.full((), prefix_len, dtype=torch.int64, device=self.device)  # no H2D copy
+        if guide is not None:
+            return sample_guided(self.expert, arena, slot, plen, noise, guide.target,
+                                 guide.weights, rtc.max_guidance, rtc.guidance, rows)  # fmt: skip
         return self.expert.sample(arena, slot, plen, noise, rows)
 
 
