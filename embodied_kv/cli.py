@@ -5,6 +5,7 @@
     embodied-kv gpu-check [ARGS...]      # tests + pi05 benchmarks on CUDA (gpu_check.py)
     embodied-kv train [--steps N] [--minutes M] [--out DIR] [--seed S]
     embodied-kv eval world [--weights PATH] [--episodes N] [--json PATH]
+    embodied-kv serve [--config YAML] [--preset NAME] [--host H] [--port P] [--layout L]
 
 Imports nothing from ROS until `demo` runs, so `bench` works without rclpy.
 """
@@ -249,9 +250,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from embodied_kv.train import recall_probe
 
         return recall_probe.main(argv[1:])
+
+    srv = commands.add_parser(
+        "serve", help="openpi's websocket policy protocol over this engine (docs/serve.md), no ROS"
+    )
+    srv.add_argument("args", nargs=argparse.REMAINDER, help="see --help after the command")
     args = build_parser().parse_args(argv)
     return args.run(args)
 
 
 if __name__ == "__main__":
     sys.exit(main())
+    if argv[:1] == ["serve"]:
+        from embodied_kv.serve import main as serve
+
+        return serve.main(argv[1:])

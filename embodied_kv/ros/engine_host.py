@@ -17,11 +17,9 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import numpy as np
-
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.frame_loop import CycleResult
-from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.engine.startup import start_engine
 from embodied_kv.model.vla import Observation
 from embodied_kv.ros.action_output import ActionOutput, ControlClock
 from embodied_kv.ros.cycle_thread import CycleThread
@@ -79,24 +77,7 @@ class EngineHost:
 
     def _build(self, cfg: EngineConfig) -> None:
         t = time.perf_counter()
-        self._progress(
-            f"building the engine: preset {cfg.preset} on {cfg.device}, "
-            f"{'weights ' + cfg.weights if cfg.weights else 'the preset default weights'} ..."
-        )
-        engine = Engine(cfg)
-        self._progress(f"weights: {engine.source.label}")
-        robot = engine.robot
-        self._progress(f"robot: {robot.describe()}")
-        arena = engine.manager.arena
-        self._progress(
-            f"KV arena allocated: {cfg.num_slots} slots x {arena.spec.max_len} rows, "
-            f"{arena.spec.bytes / 2**20:.1f} MiB; warming up"
-            f"{' and capturing CUDA graphs' if engine.graphs is not None else ''} ..."
-        )
-        warm = synthetic_observation(engine.model.cfg, cfg.seed, "warm up")
-        engine.observe(dataclasses.replace(warm, state=np.zeros(robot.state_dim)))
-        engine.warmup()
-        engine.begin_episode()  # the pinned `episode_start` capsule: what `reset` restores
+        engine = start_engine(cfg, self._progress)
         self.cfg, self.engine = cfg, engine
         self.clock = ControlClock(cfg.control_hz)
         self.cycles = CycleThread(engine, self.clock, self._get_observation, self._dispatch,
