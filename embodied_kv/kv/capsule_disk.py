@@ -9,6 +9,11 @@ payload, and checks the digest over meta and tensor bytes against the manifest a
 against the digest the store indexed: a truncated, flipped or swapped payload, or
 an edited manifest, fails it. (One hash per read: the digest already covers every
 byte a restore uses, so a second checksum of the file would only double the cost.)
+
+A degraded disk (docs/requests.md): a file the tier cannot remove (a read-only mount,
+no write permission) is left in place with a warning, never an error. On a folder it
+cannot write, the scan reads and verifies every capsule before adopting it, so a
+corrupted capsule whose files could not be removed is never adopted again.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import re
 import tempfile
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -29,12 +35,39 @@ NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # fullmatch: no control
 TMP = re.compile(r"\..+\.(json|safetensors)\.[^.]+\.tmp")  # atomic_tmp's names
 FAMILY = FORMAT.rsplit("/", 1)[0] + "/"  # "embodied_kv.capsule/": every version
 MANIFEST_KEYS = (("digest", str), ("nbytes", int), ("pinned", bool), ("meta", dict))
+KEEP_WARNINGS = 32  # the newest warnings kept for the log and /diagnostics
 
 
 class DiskTier:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.warnings: deque[str] = deque(maxlen=KEEP_WARNINGS)
+        self.left: int = 0  # files it had to remove and could not (left in place)
+        self.quarantine: dict[str, str] = {}  # name -> why: failed verification, files stay
+
+    def writable(self) -> bool:
+        """False on a read-only mount or without write permission on the folder."""
+        try:
+            if os.statvfs(self.folder).f_flag & os.ST_RDONLY:
+                return False
+        except OSError:
+            return False
+        return os.access(self.folder, os.W_OK)
+
+    def warn(self, line: str) -> None:
+        self.warnings.append(line)
+
+    def remove(self, path: Path) -> bool:
+        """Unlink one file of ours; False (and a warning) if it cannot be, never an error."""
+        try:
+            path.unlink(missing_ok=True)
+            return True
+        except OSError as e:
+            self.left += 1
+            reason = f"{type(e).__name__}: {e.strerror or e}"
+            self.warn(f"could not remove {path} ({reason}); left in place")
+            return False
 
     def paths(self, name: str) -> tuple[Path, Path]:
         return self.folder / f"{name}.safetensors", self.folder / f"{name}.json"
@@ -98,19 +131,25 @@ class DiskTier:
         for p in self.paths(name):
             p.unlink(missing_ok=True)
 
+    def discard(self, name: str) -> bool:
+        """Remove a capsule's files if the folder lets us -> True; else they stay (warned)."""
+        return all([self.remove(p) for p in self.paths(name)])
+
     def scan(self) -> tuple[list[Capsule], int]:
         """-> (capsules found, oldest manifest first; files removed). Only files this
         format wrote are touched (the folder may hold others): temporary files, our
         manifests that fail their checks (another format version, no payload) and our
-        payloads without a manifest are removed. Payloads are verified when loaded,
-        not here (a start stays fast)."""
+        payloads without a manifest are removed where the folder allows it (else left,
+        with a warning). Payloads are verified when loaded, not here (a start stays
+        fast), except on a folder that cannot be written: there a corrupted capsule
+        could not have been removed, so each is verified before it is adopted."""
         removed, found = 0, []
+        verify = not self.writable()
         for path in sorted(self.folder.iterdir()):
             if not path.is_file():
                 continue
             if TMP.fullmatch(path.name):
-                path.unlink(missing_ok=True)  # a write that never finished
-                removed += 1
+                removed += self.remove(path)  # a write that never finished
                 continue
             if path.suffix != ".json" or not self._ours(path):
                 continue
@@ -122,17 +161,22 @@ class DiskTier:
                     raise ValueError(f"capsule {name!r} on disk has no payload")
             except ValueError:  # ours but unusable: it and the payload it names go
                 for p in (path, path.with_suffix(".safetensors")):
-                    removed += p.is_file()
-                    p.unlink(missing_ok=True)
+                    removed += p.is_file() and self.remove(p)
                 continue
+            if verify:
+                try:
+                    self.read(name, doc["digest"])
+                except ValueError as e:
+                    self.quarantine[name] = str(e)
+                    self.warn(f"{e}; not adopted (quarantined: the folder is read-only)")
+                    continue
             cap = Capsule(name, {}, doc["meta"], doc["nbytes"], "disk", doc["pinned"])
             cap.known_digest = doc["digest"]
             found.append((path.stat().st_mtime, cap))
-        names = {c.name for _, c in found}
+        names = {c.name for _, c in found} | set(self.quarantine)
         for payload in sorted(self.folder.glob("*.safetensors")):
             if payload.stem not in names and self._ours(payload):  # no manifest
-                payload.unlink(missing_ok=True)
-                removed += 1
+                removed += self.remove(payload)
         return [c for _, c in sorted(found, key=lambda x: x[0])], removed
 
     @staticmethod

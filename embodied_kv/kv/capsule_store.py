@@ -14,6 +14,12 @@ preparing removes what it wrote and leaves the store as it was.
 The disk format is kv/capsule_disk.py. On start the store reconciles the folder with
 its index: valid capsules are adopted (and count in the disk budget), everything else
 it wrote (orphan payloads, bad manifests, temporary files) is removed.
+
+A degraded disk never stops a start (docs/requests.md): files that cannot be removed
+are left with a warning (`warnings`). A disk capsule that fails verification is
+reported with the verification's reason and leaves the index; if its files cannot be
+removed it is quarantined: its name answers with that reason, and a start on a folder
+it cannot write verifies every capsule before adopting it, so it is not adopted again.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ class DiskCounters:
     adopted: int = 0  # capsules found on disk at start and indexed
     removed: int = 0  # files removed at start (orphans, bad manifests, temporary files)
     corrupted: int = 0  # capsules whose payload failed its checks on load (files removed)
+    quarantined: int = 0  # capsules that failed verification and whose files stay
+    left: int = 0  # files the store had to remove and could not (read-only folder)
     evicted: int = 0  # capsules deleted from a full tier
 
 
@@ -69,8 +77,14 @@ class CapsuleStore:
         self.counters = DiskCounters()
         self.disk = DiskTier(Path(cfg.disk_dir)) if cfg.disk_dir else None
         self.disk_dir = self.disk.folder if self.disk is not None else None
+        self.quarantine: dict[str, str] = {}  # name -> why it failed verification
         if self.disk is not None:
             self._reconcile_disk()
+
+    @property
+    def warnings(self) -> list[str]:
+        """The disk tier's newest warnings (files left in place, capsules quarantined)."""
+        return list(self.disk.warnings) if self.disk is not None else []
 
     @property
     def evicted(self) -> int:
@@ -92,20 +106,28 @@ class CapsuleStore:
         self._clock += 1
         new.last_used = self._clock
         self._change(new, tier)
+        self.quarantine.pop(capsule.name, None)
 
     def load(self, name: str) -> Capsule:
         """The capsule with its tensors (read and verified from disk for the disk tier),
-        without changing the store. A disk capsule that fails its checks is removed
-        (index and files) and ValueError says why: it can never be restored."""
+        without changing the store. A disk capsule that fails its checks leaves the
+        index, its files are removed (or, where they cannot be, it is quarantined) and
+        ValueError gives the verification's reason: it can never be restored."""
         cap = self._lookup(name)
         if cap.tier != "disk":
             return cap
         try:
             tensors = self._read(cap)
-        except ValueError:
+        except ValueError as e:
             self._forget(name)
-            self._unlink(name)
             self.counters.corrupted += 1
+            if not self.disk.discard(name):
+                self.quarantine[name] = str(e)
+                self._count_disk()
+                raise ValueError(
+                    f"{e}; quarantined: its files stay ({self.disk.warnings[-1]}), it is not "
+                    "adopted again (a start verifies the capsules of a folder it cannot write)"
+                ) from e
             raise
         return dataclasses.replace(cap, tensors={k: to_host(v) for k, v in tensors.items()})
 
@@ -260,8 +282,15 @@ class CapsuleStore:
             raise ValueError(f"unknown tier {tier!r}; use one of {TIERS}")
         if tier == "disk" and self.disk_dir is None:
             raise ValueError("the disk tier needs StoreConfig.disk_dir")
+        if tier == "disk" and not self.disk.writable():
+            raise ValueError(
+                f"the disk tier's folder {self.disk_dir} cannot be written (read-only): its "
+                "capsules can be restored, no new one saved"
+            )
 
     def _lookup(self, name: str) -> Capsule:
+        if name not in self._caps and name in self.quarantine:
+            raise ValueError(f"capsule {name!r} is quarantined: {self.quarantine[name]}")
         if name not in self._caps:
             known = ", ".join(sorted(self._caps)) or "none"
             raise ValueError(f"unknown capsule {name!r} (known: {known})")
@@ -287,6 +316,7 @@ class CapsuleStore:
         cannot be one), oldest first for LRU; then the disk budget holds."""
         found, removed = self.disk.scan()
         self.counters.removed += removed
+        self.quarantine.update(self.disk.quarantine)
         for cap in found:
             self._clock += 1
             cap.last_used = self._clock
@@ -294,9 +324,15 @@ class CapsuleStore:
             self.counters.adopted += 1
         target = self._plan(self._caps, {n: c.tier for n, c in self._caps.items()}, _NOBODY)
         for name, tier in target.items():
-            if tier is None:
-                self.delete(name)
+            if tier is None:  # over the budget: not adopted, its files go where they can
+                self._forget(name)
+                self.disk.discard(name)
                 self.counters.evicted += 1
+        self._count_disk()
+
+    def _count_disk(self) -> None:
+        self.counters.quarantined = len(self.quarantine)
+        self.counters.left = self.disk.left
 
 
 _NOBODY = Capsule("", {}, {}, 0, pinned=True)  # a `keep` that keeps nothing

@@ -89,6 +89,8 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
             "disk_budget_bytes": cfg.store.disk_bytes,
             "restores": engine.counters.restores,
             **{f"disk_{k}": v for k, v in vars(store.counters).items()},
+            "disk_last_warning": (store.warnings or [""])[-1],
+            "ended_ledger_error": engine.ended.last_error,
         },
     )
     rejected = dict(host.inputs_rejected)
@@ -140,6 +142,7 @@ def _language(engine) -> tuple[bytes, str, dict]:
             "refused_queue_full": s.refused_queue_full,
             "refused_too_long": s.refused_too_long + m.refused,
             "cancelled": s.cancelled,
+            "dropped_ended": s.dropped_ended,  # ended requests a restored capsule held
             "narrations_skipped": m.narrations_skipped,
             "instructions_truncated": m.prompts_truncated,
         },

@@ -43,6 +43,8 @@ class KvManagerNode(EmbodiedNode):
 
     def setup(self) -> None:
         self._diag_pub = self.create_lifecycle_publisher(DiagnosticArray, "/diagnostics", 10)
+        for line in self.engine.store.warnings:  # a degraded capsule folder: configured anyway
+            self.get_logger().warning(f"capsules: {line}")
 
     def teardown(self) -> None:
         if self._diag_pub is not None:

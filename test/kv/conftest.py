@@ -44,3 +44,36 @@ class PerSegmentLoader:
             s = self.sources[u]
             rows = slice(s.slot_row + self.shift[i], s.slot_row + self.shift[i] + s.n)
             k[rows] = rerotate(self.rope, k[rows], torch.full((s.n,), s.delta))
+
+
+# -- a real read-only folder (issue 35: degraded disks) ------------------------------------
+
+NO_MOUNT = ("no read-only mount can be made here ({}); the same logic is proven by the tests "
+            "that inject the failing OS call (test_capsule_store_readonly.py)")  # fmt: skip
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """-> (rw, ro): one folder, writable at `rw` and mounted read-only at `ro` (a bind mount
+    remounted ro: root writes through chmod, not through a read-only mount). The mount goes
+    at teardown; without the privilege to mount, the test is skipped with the reason."""
+    import os
+    import subprocess
+
+    rw, ro = tmp_path / "rw", tmp_path / "ro"
+    rw.mkdir()
+    ro.mkdir()
+    try:
+        subprocess.run(["mount", "--bind", str(rw), str(ro)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(NO_MOUNT.format(getattr(e, "stderr", b"") or e))
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True,
+                       capture_output=True)  # fmt: skip
+        assert os.statvfs(ro).f_flag & os.ST_RDONLY, "the mount is not read-only"
+        yield rw, ro
+    except subprocess.CalledProcessError as e:
+        pytest.skip(NO_MOUNT.format(e.stderr))
+    finally:  # a payload still mapped by a test's tensors keeps it busy: detach it lazily
+        if subprocess.run(["umount", str(ro)], check=False, capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(ro)], check=False, capture_output=True)
