@@ -9,7 +9,7 @@ see nor disturb each other. Set at import, before any test initialises rclpy
 import os
 
 # Domains 1..101: 0 is the default a real robot uses; 232 and up fail here
-# (shared/ROS2_PIP.md), and each domain takes its own UDP port range.
+# (the PyPI ROS 2 wheels), and each domain takes its own UDP port range.
 os.environ["ROS_DOMAIN_ID"] = str(1 + os.getpid() % 101)
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # kilted ignores ROS_LOCALHOST_ONLY
 

@@ -1,4 +1,4 @@
-"""DESIGN §2: only embodied_kv/ros (and test/ros) import rclpy or message types,
+"""docs/ARCHITECTURE.md: only embodied_kv/ros (and test/ros) import rclpy or message types,
 and YAML is parsed only there (STYLE 4), so everything else runs without ROS."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ WORLD_ALLOWED = {"numpy", "embodied_kv.world", "__future__", "copy", "dataclasse
 
 
 def test_world_is_numpy_only():
-    """DESIGN §2: world/ is the synthetic tabletop in numpy: no torch, no rclpy, nothing
+    """docs/ARCHITECTURE.md: world/ is the synthetic tabletop in numpy: no torch, no rclpy, nothing
     of the model or engine (so the demo's robot and any tool can use it)."""
     found = []
     for path in sorted((ROOT / "embodied_kv" / "world").rglob("*.py")):
@@ -81,7 +81,7 @@ TOOLS = {"embodied_kv.train", "embodied_kv.bench", "embodied_kv.eval", "embodied
 
 
 def test_the_runtime_layers_import_no_tool_above_them():
-    """DESIGN §2, imports point down: kernels, kv, model and engine never import training,
+    """docs/ARCHITECTURE.md: kernels, kv, model and engine never import training,
     benchmarks, evaluation, the CLI or the ROS layer (what the engine needs of a trained
     model's files lives in model/trained.py and model/word_tokenizer.py)."""
     found = []
@@ -91,7 +91,7 @@ def test_the_runtime_layers_import_no_tool_above_them():
 
 
 def test_storage_sits_below_the_model_and_the_model_below_the_cache_policy():
-    """DESIGN §2: the arena and the step plan (storage/) import neither the model nor what
+    """docs/ARCHITECTURE.md: the arena and step plan (storage/) import neither the model nor what
     manages the arena (kv/: manager, capsules, compression, memory); the model reads and
     writes the arena (storage/) and imports nothing of kv/ or engine/."""
     above_storage = {"embodied_kv.model", "embodied_kv.kv", "embodied_kv.engine"}

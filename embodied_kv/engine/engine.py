@@ -5,7 +5,7 @@ session takes the engine lock, so a service call never interleaves with a contro
 cycle; the action queue has its own lock and is popped by the output path without
 waiting for it, and ask() / memory updates take only the policy's / memory's lock.
 
-The session (DESIGN §7) is everything a capsule carries: KV slots, every request's
+The session (docs/ARCHITECTURE.md) is everything a capsule carries: KV slots, every request's
 generation state, the requests still waiting (policy), the id counters, the planner
 memory, the action queue, the latest observation, the frame. `episode_start` and the
 automatic per-cycle history (`auto-*`) are the engine's own capsule names; clients

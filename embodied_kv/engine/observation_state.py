@@ -1,5 +1,5 @@
 """The engine's own capsule section: the frame, the instruction and the latest
-observation (DESIGN §7: what the next cycle would prefill is part of the session)."""
+observation (docs/ARCHITECTURE.md: what the next cycle would prefill is session state)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ class ParamSpec:
 
 
 ENGINE_PARAMS: tuple[ParamSpec, ...] = (
-    ParamSpec("preset", "tiny", "model preset (DESIGN §6): world | tiny | pi05"),
+    ParamSpec("preset", "tiny", "model preset: world | tiny | pi05"),
     ParamSpec("device", "auto", "torch device: auto (cuda when present, else cpu) | cpu | cuda:N"),
     ParamSpec(
         "weights", "", "safetensors, LeRobot or openpi dir; '' = the preset's shipped, else random"
@@ -41,7 +41,7 @@ ENGINE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("replan_every", 5, "control ticks per engine cycle: a new chunk every N actions"),
     ParamSpec("blend", 2, "ticks over which the old and the new chunk are mixed"),
     ParamSpec("seed", 0, "random weights; action noise of frame t is drawn with seed + t"),
-    ParamSpec("torch_threads", 1, "torch CPU threads (1: see README, Real time)"),
+    ParamSpec("torch_threads", 1, "torch CPU threads (1: see docs/ros.md, Real time)"),
     ParamSpec("cuda_graphs", True, "capture decode / prefill / denoise graphs on CUDA"),
     ParamSpec("arena.num_slots", 8, "KV arena slots: the frame in flight + live requests"),
     ParamSpec(
@@ -81,7 +81,7 @@ ENGINE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("robot.asset_id", "", "openpi: assets/<asset_id>/norm_stats.json to use"),
 )
 
-# The action mode (README, ActionFlow): `flow` = the action expert; `ar` = action tokens
+# The action mode (docs/actionflow.md): `flow` = the action expert; `ar` = action tokens
 # decoded by the backbone, pipelined across frames, published on the same topics.
 ACTION_MODE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("action_mode", "flow", "flow (action expert) | ar (autoregressive action tokens)"),
@@ -92,7 +92,7 @@ ACTION_MODE_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("ar.fast_vocab", 1024, "ar fast: BPE vocabulary when trained here"),
     ParamSpec("ar.unified", True, "ar: language decodes join the pipeline's packed step"),
 )
-# The planner's memory (README, KEEP): cached KV with selective recomputation, or text.
+# The planner's memory (docs/keep.md): cached KV with selective recomputation, or text.
 MEMORY_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("memory.mode", "keep", "keep (memory as cached KV, KEEP) | full (as text)"),
     ParamSpec("memory.window", 10, "KEEP t: updates without a change before a group is static"),

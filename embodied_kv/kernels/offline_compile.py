@@ -59,7 +59,7 @@ from embodied_kv.kernels.rope import plan_rope
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, triton
 
 SM90 = 90
-# pi0.5 backbone attention (shared/PI05_FACTS.md): 8 query heads, 1 KV head, head_dim 256, bf16.
+# pi0.5 backbone attention (docs/checkpoints.md): 8 query heads, 1 KV head, head_dim 256, bf16.
 PI05_HEADS = (8, 1, 256)
 # Arena rows per slot that select each split-K configuration (NUM_SPLITS = 16 up to 1024 rows,
 # 32 beyond; a pi05 prefix of 2-3 cameras is 700-970 rows plus the decode budget).

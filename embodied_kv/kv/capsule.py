@@ -12,7 +12,7 @@ A capsule holds, as tensors and JSON:
 plus a digest over the weights, the config, the metadata and every tensor's bytes.
 Counters that describe the process (diagnostics) are not in it: they only grow.
 
-Restore is two phases (DESIGN §7): `stage` checks everything a restore needs (the
+Restore is two phases (docs/capsules.md): `stage` checks everything a restore needs (the
 identity, every slot's tensors and shapes, every section's metadata) and builds the
 new objects without touching the live state; `Staged.apply` then only copies into
 the arena's fixed buffers and swaps Python objects. A capsule that fails staging

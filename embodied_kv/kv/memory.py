@@ -1,4 +1,4 @@
-"""The planner's memory as reusable KV (KEEP, DESIGN §4): segments, groups, host-tier KV.
+"""The planner's memory as reusable KV (KEEP, docs/keep.md): segments, groups, host-tier KV.
 
 A segment is one piece of text keyed by id (the MemoryUpdate msg: add / update /
 remove). Segments belong to groups: the msg's explicit `group`, else the group whose

@@ -122,8 +122,8 @@ PRESETS: dict[str, ModelConfig] = {
 # Attention as multi-head (4 KV heads, not tiny's one) with RoPE base 1e6: with one 32-wide
 # KV head a layer reads at most 32 dims from the image and fact rows, and at base 1e4 only
 # 10 of those 32 dims turn slowly enough to match content 100-200 rows back (1e6: 18); the
-# 45-minute runs with tiny's attention never lifted scene answers off the prior (README,
-# "Trained world model").
+# 45-minute runs with tiny's attention never lifted scene answers off the prior (docs/world.md,
+# "Attention of the `world` preset").
 _WORLD_ATTENTION = {"kv_heads": 4, "rope_theta": 1e6}
 PRESETS["world"] = replace(
     PRESETS["tiny"],

@@ -13,7 +13,7 @@
 LeRobot's newest PaliGemmaWithExpertModel keeps the whole vision tower and projector
 fp32 (to keep the optimizer's dtypes fixed in training). Here openpi's inference choice
 is followed: an fp32 SigLIP is 0.6 TFLOP per 3-camera frame at fp32 GEMM rates, 9 ms on
-an H100 without TF32, more than the whole bf16 budget (PI05_FACTS.md: 6.6 ms).
+an H100 without TF32, more than the whole bf16 budget (the limit, bench/limit.py: 6.6 ms).
 
 The Euler state of the flow is fp32 too (model/expert.py). Dtypes are set on the meta
 device, before any byte is allocated (`build_model`): no fp32 copy of the bf16

@@ -11,7 +11,7 @@ LeRobot (`PolicyProcessorPipeline.save_pretrained`, processor/pipeline.py), a po
         "action_names"} -> the delta mask (`RelativeActionsProcessorStep._build_mask`)
     policy_postprocessor.json  step "unnormalizer_processor": the same for `action`
 
-openpi (`shared/normalize.py`), checkpoint_dir/assets/<asset_id>/norm_stats.json:
+openpi (its `openpi/shared/normalize.py`), checkpoint_dir/assets/<asset_id>/norm_stats.json:
 
     {"norm_stats": {"state": {"mean", "std", "q01", "q99"}, "actions": {...}}}
 

@@ -6,7 +6,7 @@ lock, never the engine lock) and publishes it, so a long engine cycle never dela
 an action: the engine only has to keep a chunk ahead of the output. A tick that
 leaves late is still published (the stream keeps its count); after more than
 MAX_LAG_TICKS behind, the schedule jumps to now and the skipped ticks are counted.
-Why a thread, not an rclpy timer or an output process: README, "Real time".
+Why a thread, not an rclpy timer or an output process: docs/ros.md, "Real time".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The robot process: the five lifecycle nodes of DESIGN §5 in one process.
+"""The robot process: the five lifecycle nodes (docs/ros.md) in one process.
 
 One process holds one engine (one GPU context), shared by the nodes through an
 EngineHost; a SingleThreadedExecutor spins every node on a background thread while

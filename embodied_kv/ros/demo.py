@@ -4,7 +4,7 @@ simulated robot, for a bounded time, then a report a person can read.
 This process is the robot's world: it publishes camera frames, joint states, an
 instruction, questions, memory updates and plan requests (sim_robot.py), calls the
 capsule services, and measures the action stream as a subscriber in another
-process than the one that publishes it (DESIGN §7). Everything runs in its own
+process than the one that publishes it (docs/ros.md). Everything runs in its own
 namespace and discovers only on this host, so a real robot on the network never
 sees the demo's actions.
 """

@@ -1,4 +1,4 @@
-"""What `make demo` prints at the end: the figures of DESIGN §5/§7, readable."""
+"""What `make demo` prints at the end: the figures of docs/ros.md, readable."""
 
 from __future__ import annotations
 

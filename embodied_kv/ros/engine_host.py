@@ -1,4 +1,4 @@
-"""One engine per process, shared by the five lifecycle nodes (DESIGN §5).
+"""One engine per process, shared by the five lifecycle nodes (docs/ros.md).
 
 The first node to configure builds the engine (weights, the KV arena, warmup and,
 on CUDA, graph capture) and takes the pinned `episode_start` capsule; the others

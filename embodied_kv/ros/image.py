@@ -2,7 +2,7 @@
 
 sensor_msgs/Image: rgb8, bgr8, rgba8, bgra8 and mono8, converted here (cv_bridge only
 where one imports and converts a ROS 2 probe image correctly: PyPI's `cv-bridge` is a
-ROS 1 copy that fails on ROS 2 messages, shared/ROS2_PIP.md). sensor_msgs/CompressedImage:
+ROS 1 copy that fails on ROS 2 messages). sensor_msgs/CompressedImage:
 jpeg or png, decoded with Pillow (only those two decoders are tried).
 
 Size limits (ImageLimits) are checked before any pixel is touched: for a raw Image on

@@ -1,4 +1,4 @@
-"""Lifecycle base of the five nodes (DESIGN §5), in the ros2/demos lifecycle_py style.
+"""Lifecycle base of the five nodes (docs/ros.md), in the ros2/demos lifecycle_py style.
 
 `configure` acquires the process's one engine (EngineHost: the first node builds it)
 and then calls `setup()` (publishers, subscriptions); `activate` switches lifecycle

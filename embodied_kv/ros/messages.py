@@ -1,4 +1,4 @@
-"""Engine results -> ROS messages (standard types where one fits, DESIGN §5).
+"""Engine results -> ROS messages (standard types where one fits, docs/ros.md).
 
 header.frame_id of `action_chunk` and `text` carries the engine frame (the index of
 the observation the chunk or text continues from, 0 at the start of an episode);

@@ -5,7 +5,7 @@ on `.../image_raw/compressed` for a camera marked `:compressed`), `instruction`
 (std_msgs/String) and `joint_states` (sensor_msgs/JointState), converts them and keeps
 the latest of each in an ObservationBuffer; each engine cycle hands the latest
 Observation to `engine.observe` and prefills it once for every task of that frame
-(DESIGN §5; OxyGen shared prefill). Camera frames are size-checked in the callback and
+(docs/oxygen.md: the shared prefill). Camera frames are size-checked in the callback and
 converted on the ImageConverter thread (image_worker.py). Bad input is rejected with a
 logged reason and changes nothing; input that arrives while the node is inactive is
 ignored. The state is the positions of `joint_names`, in robot units: the engine

@@ -4,7 +4,7 @@
     front : looking from the near edge; column = x, row from height, far things drawn
             first and smaller (painter's order), the arm's height visible
 Output per camera: [S, S, 3] uint8; `observation_images` stacks them as the model's
-[num_cameras, 3, S, S] float input in [-1, 1] (PI05_FACTS: (x/255 - 0.5)/0.5).
+[num_cameras, 3, S, S] float input in [-1, 1] (pi0.5's (x/255 - 0.5)/0.5).
 """
 
 from __future__ import annotations

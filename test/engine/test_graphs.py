@@ -40,7 +40,7 @@ MODES = ["emulate", "emulate-bf16"] + (["cuda"] if torch.cuda.is_available() els
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """The product runs torch on one CPU thread (README); two threads on a busy 2-core
+    """The product runs torch on one CPU thread (docs/ros.md); two threads on a busy 2-core
     machine made these tests ~40x slower."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

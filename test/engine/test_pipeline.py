@@ -33,7 +33,7 @@ TOKENS = {
 
 @pytest.fixture(scope="module")
 def ar_model():
-    torch.set_num_threads(1)  # as the engine does (README: two threads on two busy cores crawl)
+    torch.set_num_threads(1)  # as the engine does (docs/ros.md: 2 threads on 2 busy cores crawl)
     return build_model(action_model_config(get_preset("tiny"), 1024))
 
 

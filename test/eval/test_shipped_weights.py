@@ -2,7 +2,7 @@
 on a small held-out set, through the real engine, it must stay at or above thresholds a
 little below what the shipped weights measure on this set. The issue's targets (QA 90 %,
 one-hop 85 %, two-hop 60 %, success 80 %) are NOT all reached by the weights shipped now
-(step 7,984 of the kept run `runs/world_ramp/`; README "Trained world model"): the
+(step 7,984 of the kept run `runs/world_ramp/`; docs/world.md "Trained world model"): the
 thresholds guard the level they do reach, one question under it on this set (2026-11-26:
 QA 0.708, one-hop 0.75, two-hop 0.833, success 0; the step-3,177 weights shipped before
 them: QA 0.625, one-hop 0.92, two-hop 0.75; random weights 0 everywhere), and are to be

@@ -135,7 +135,8 @@ def write_openpi_checkpoint(
     folder: Path, model, stats: dict[str, dict[str, np.ndarray]], asset_id: str = "trossen"
 ) -> Path:
     """An openpi checkpoint converted to PyTorch: model.safetensors (keys without the
-    `model.` prefix) and assets/<asset_id>/norm_stats.json (shared/normalize.py `save`)."""
+    `model.` prefix) and assets/<asset_id>/norm_stats.json (openpi's
+    openpi/shared/normalize.py `save`)."""
     folder.mkdir(parents=True, exist_ok=True)
     save_in_lerobot_layout(model, folder / "model.safetensors", prefix=False)
     assets = folder / "assets" / asset_id
