@@ -12,6 +12,7 @@ from embodied_kv.kv.memory import MemoryConfig
 from embodied_kv.kv.selectors import KeepConfig
 from embodied_kv.model.action_tokens import ActionTokenConfig
 from embodied_kv.model.robot_loader import RobotSpec
+from embodied_kv.model.rtc import RTCConfig
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,16 @@ class EngineConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # KEEP window t, grouping
     keep: KeepConfig = field(default_factory=KeepConfig)  # KEEP recompute ratios r_i, hops
     keep_graphs: bool = False  # KEEP's prefill from CUDA graphs where the engine has graphs
+    rtc: RTCConfig = field(default_factory=RTCConfig)  # real-time chunking (flow; docs/rtc.md)
 
     def __post_init__(self):
         if self.control_hz <= 0 or self.replan_every < 1 or self.history < 0 or self.max_len < 0:
             raise ValueError(f"bad engine config: {self}")
         if self.action_mode not in ("flow", "ar"):
             raise ValueError(f"action_mode={self.action_mode!r}: use 'flow' or 'ar'")
+        if self.action_mode == "ar" and self.rtc.enabled:
+            raise ValueError("rtc.enabled works with action_mode 'flow' only (it guides the "
+                             "action expert's Euler loop)")  # fmt: skip
         if self.memory_mode not in MODES:
             raise ValueError(f"memory_mode={self.memory_mode!r}: use one of {MODES}")
         if self.action_mode == "ar" and self.compress.enabled:  # refused, not ignored

@@ -40,6 +40,7 @@ from embodied_kv.engine.observation_state import (
 )
 from embodied_kv.engine.plan_memory import MemoryPlanner, embedder
 from embodied_kv.engine.policy import LoopConfig, QueueFull, answer_suffix, arena_rows
+from embodied_kv.engine.rtc_guide import ChunkGuide
 from embodied_kv.kv.capsule import (
     Identity,
     capture,
@@ -113,8 +114,13 @@ class Engine:
                 self.manager, self.queue, loop_cfg, tok, cfg.ar_unified, robot=self.robot
             )
         else:
-            self.queue = ActionQueue(c.action_horizon, self.robot.action_dim, cfg.blend)
-            self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot)
+            self.queue = ActionQueue(
+                c.action_horizon, self.robot.action_dim, cfg.blend, cfg.rtc.delay_ema
+            )
+            rtc = None
+            if cfg.rtc.enabled:
+                rtc = ChunkGuide(cfg.rtc, c.action_horizon, cfg.replan_every, self.model.device)
+            self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot, rtc=rtc)
         self.policy = self.loop.policy
         self.memory = SegmentMemory(cfg.memory, embedder(self.model))
         self.planner = MemoryPlanner(self.model, self.memory, cfg.memory_mode, cfg.keep)
@@ -254,7 +260,7 @@ class Engine:
         """Capture the CUDA graphs (on CUDA) and run one cycle's work without a deadline."""
         with self.lock:
             if self.graphs is not None:
-                self.graphs.capture()
+                self.graphs.capture(self.cfg.rtc)
             if self._obs is not None:
                 self.loop.warmup(self._obs)
 

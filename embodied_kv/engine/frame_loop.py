@@ -11,6 +11,7 @@ from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.admission import admit
 from embodied_kv.engine.events import TextEvent
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
+from embodied_kv.engine.rtc_guide import ChunkGuide
 from embodied_kv.kv.manager import KVCacheManager, Request, Status, TaskKind
 from embodied_kv.model.action_space import RobotIO, identity_io
 from embodied_kv.model.vla import Observation
@@ -70,8 +71,10 @@ class FrameLoop:
         policy: LanguagePolicy | None = None,
         clock=None,
         robot: RobotIO | None = None,
+        rtc: ChunkGuide | None = None,
     ):
         self.manager, self.queue, self.cfg = manager, queue, cfg
+        self.rtc = rtc  # real-time chunking (engine/rtc_guide.py); None: plain chunks
         self.model = manager.model
         c = self.model.cfg
         self.robot = robot or identity_io(c.state_dim, c.action_dim)  # model units -> robot
@@ -96,11 +99,14 @@ class FrameLoop:
         try:
             # (b) the action expert reads the same slot: the hard deadline
             noise = self.model.make_noise(cfg.seed + frame)
+            guide = self.rtc.guide(self.queue, tick) if self.rtc is not None else None
             chunk = self.model.sample_actions(
-                manager.arena, fp.slot, fp.prefix_len, noise, fp.compressed
-            )
-            chunk = self.robot.actions_out(chunk.float().cpu().numpy(), obs.robot_state)
-            self.queue.push(chunk, tick)
+                manager.arena, fp.slot, fp.prefix_len, noise, fp.compressed, guide,
+                self.rtc.cfg if guide is not None else None,
+            )  # fmt: skip
+            model_chunk = chunk.float().cpu().numpy()  # [H, A_model] normalised
+            chunk = self.robot.actions_out(model_chunk, obs.robot_state)
+            self.queue.push(chunk, tick, model_chunk if self.rtc is not None else None)
             t_action = self.clock()
             self.counters.action_late += int(t_action > deadline)
 

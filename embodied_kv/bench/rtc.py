@@ -1,0 +1,290 @@
+"""`embodied-kv bench rtc`: real-time chunking against naive switching and temporal
+ensembling, closed loop on the `world` preset (its shipped weights) and the simulated
+robot, with an injected inference delay d; and RTC's latency cost at pi05 widths.
+
+Timeline of one episode (ticks; a cycle every p = max(replan_every, d) ticks):
+
+    t0: observe ──┬── d ticks executed from the old chunk ──┬── new chunk lands (t0 + d)
+                  │   (inference running)                   │   executed until t0 + p
+    the chunk covers t0 .. t0+H-1; its first d actions are stale when it lands
+
+The first chunk of an episode lands at once (the robot waits for it). A tick no chunk
+covers repeats the last action (at d = 8 with the world's H = 10: ticks t0+10 .. t0+15).
+
+Methods (one object each behind `Executor`):
+    naive     the engine's ActionQueue, blend 0: switch to the new chunk where it lands
+    ensemble  ACT's temporal ensembling: every landed chunk covering the tick, averaged with
+              weights exp(-m i), i = 0 the oldest (ACT: m = 0.01)
+    rtc-vjp   the queue, chunks guided by RTC (model/rtc.py), d measured by the queue
+    rtc-error the same with LeRobot's guidance (no backward pass)
+
+Metrics, over the arm's position targets (x, y, z; the gripper's open / close is a step of
+2 by design), robot units:
+success (the task done within the tick budget), the jump |a_t - a_{t-1}| (L2) at each
+switch (the first tick executed from a newly landed chunk): max and p95, and jerk: the mean
+L2 norm of the third difference of the executed actions (units / tick^3).
+
+Latency: ActionExpert.sample against the guided loop (error, vjp) at pi05 widths (expert
+width 1024, MLP 4096, 8 heads of 256, 1 KV head, H 50 x 32, 10 steps) over a prefix of 3
+cameras + 48 text tokens (816 rows, bucket 1024), `--layers` expert layers (the cost is
+linear in them: pi0.5 has 18), eager on this device, interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from embodied_kv.bench import harness
+from embodied_kv.bench.report import print_table
+from embodied_kv.engine.engine import Engine, EngineConfig
+from embodied_kv.engine.loading import shipped_weights
+from embodied_kv.eval.runners import world_observation
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.expert import ActionExpert
+from embodied_kv.model.rtc import RTCConfig, sample_guided
+from embodied_kv.model.trained import load_trained
+from embodied_kv.model.vla import MAX_POSITIONS, denoise_rows
+from embodied_kv.storage.arena import ArenaSpec, KVArena
+from embodied_kv.train.loop import EVAL_SEED_BASE
+from embodied_kv.world.scene import make_scene
+from embodied_kv.world.tasks import sample_task
+
+DELAYS = (0, 2, 4, 8)
+REPLAN = 5  # ticks per cycle without delay (EngineConfig.replan_every, eval world's)
+TICKS = 60  # per episode: eval world's 12 cycles x 5 actions
+MOTION_DIMS = 3  # x, y, z: the arm's position targets (Scene.step reads these and the
+# gripper, whose open/close command is a step of 2 by design and is left out)
+ENSEMBLE_M = 0.01  # ACT temporal_ensemble_coeff
+SEED = EVAL_SEED_BASE + 7 * 10**6  # held out, apart from eval world's items
+PI05_PREFIX = 3 * 256 + 48  # 3 cameras + the published 48-token prompt
+
+
+@dataclass
+class Trace:
+    actions: list[np.ndarray] = field(default_factory=list)
+    jumps: list[float] = field(default_factory=list)  # at switches
+    success: bool = False
+
+
+class Executor:
+    """What the robot executes each tick, given the chunks that have landed."""
+
+    name = ""
+    rtc: RTCConfig = RTCConfig()
+
+    def reset(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def landed(self, chunk: np.ndarray, start: int) -> None:  # noqa: B027 (optional hook)
+        pass
+
+    def action(self, tick: int) -> np.ndarray:
+        return self.engine.queue.pop(tick)[0]
+
+
+class Naive(Executor):
+    name = "naive"
+
+
+class Guided(Executor):
+    def __init__(self, guidance: str):
+        self.name = f"rtc-{guidance}"
+        self.rtc = RTCConfig(enabled=True, guidance=guidance)
+
+
+class Ensemble(Executor):
+    name = "ensemble"
+
+    def reset(self, engine: Engine) -> None:
+        super().reset(engine)
+        self.chunks: list[tuple[int, np.ndarray]] = []
+        self.last = np.zeros(engine.robot.action_dim)
+
+    def landed(self, chunk: np.ndarray, start: int) -> None:
+        self.chunks.append((start, np.asarray(chunk, np.float64)))
+
+    def action(self, tick: int) -> np.ndarray:
+        self.engine.queue.pop(tick)  # the queue's own bookkeeping (delay), unused
+        rows = [c[tick - s] for s, c in self.chunks if 0 <= tick - s < len(c)]
+        if rows:
+            w = np.exp(-ENSEMBLE_M * np.arange(len(rows)))  # oldest first, weighted most
+            self.last = (w[:, None] * np.stack(rows)).sum(0) / w.sum()
+        return self.last.copy()
+
+
+def methods() -> list[Executor]:
+    return [Naive(), Ensemble(), Guided("vjp"), Guided("error")]
+
+
+def make_engine(model, rtc: RTCConfig) -> Engine:
+    cfg = EngineConfig(
+        preset="world", control_hz=1e-3, replan_every=REPLAN, blend=0, history=0,
+        narrate_every=0, auto_episode_capsule=False, cuda_graphs=False, num_slots=2, rtc=rtc,
+    )  # fmt: skip
+    return Engine(cfg, model=model)
+
+
+def run_episode(engine: Engine, ex: Executor, index: int, delay: int) -> Trace:
+    rng = np.random.default_rng(SEED + index)
+    scene = make_scene(rng)
+    task = sample_task(scene, rng)
+    engine.begin_episode()
+    ex.reset(engine)
+    size = engine.model.cfg.vision.image_size
+    period = max(REPLAN, delay)
+    trace, tick, first = Trace(), 0, True
+    switch_tick = None  # the first tick executed from the newest chunk (at d = p: next cycle's)
+
+    def execute(k: int) -> bool:
+        nonlocal switch_tick
+        a = np.asarray(ex.action(k), np.float64)
+        if k == switch_tick and trace.actions:
+            trace.jumps.append(float(np.linalg.norm(a[:MOTION_DIMS] - trace.actions[-1])))
+            switch_tick = None
+        trace.actions.append(a[:MOTION_DIMS].copy())
+        scene.step(a)
+        return task.success(scene)
+
+    while tick < TICKS:
+        t0 = tick
+        engine.observe(world_observation(scene, task.instruction, size))
+        lag = 0 if first else delay
+        for k in range(t0, min(t0 + lag, TICKS)):  # inference running: the old chunk
+            if execute(k):
+                trace.success = True
+                return trace
+        if t0 + lag >= TICKS:
+            break
+        result = engine.cycle(t0)
+        ex.landed(result.chunk, t0)
+        if not first:
+            switch_tick = t0 + lag
+        for k in range(t0 + lag, min(t0 + period, TICKS)):
+            if execute(k):
+                trace.success = True
+                return trace
+        tick, first = t0 + period, False
+    return trace
+
+
+def summarise(traces: list[Trace]) -> dict:
+    jumps = sorted(j for t in traces for j in t.jumps)
+    jerks = []
+    for t in traces:
+        a = np.array(t.actions)
+        if len(a) >= 4:
+            jerks += list(np.linalg.norm(a[3:] - 3 * a[2:-1] + 3 * a[1:-2] - a[:-3], axis=1))
+    return {
+        "success": float(np.mean([t.success for t in traces])),
+        "switches": len(jumps),
+        "jump_max": max(jumps) if jumps else float("nan"),
+        "jump_p95": harness.quantile(jumps, 0.95) if jumps else float("nan"),
+        "jerk_mean": float(np.mean(jerks)) if jerks else float("nan"),
+        "ticks": int(sum(len(t.actions) for t in traces)),
+    }
+
+
+def closed_loop(model, episodes: int, env) -> list[dict]:
+    rows = []
+    for ex in methods():
+        engine = make_engine(model, ex.rtc)
+        for d in DELAYS:
+            traces = [run_episode(engine, ex, e, d) for e in range(episodes)]
+            row = {"method": ex.name, "delay": d, **summarise(traces)}
+            if engine.loop.rtc is not None:
+                c = engine.loop.rtc.counters
+                row["guided_chunks"], row["chunks"] = c.guided, c.chunks
+            rows.append(row)
+            harness.progress(env, f"{ex.name} d={d}: success {row['success']:.2f}, jump max "
+                                  f"{row['jump_max']:.3f}")  # fmt: skip
+    return rows
+
+
+def latency(layers: int, repeats: int, device: str) -> dict:
+    """ms per chunk of the plain and the guided Euler loops at pi05 widths."""
+    cfg = get_preset("pi05", layers=layers)
+    e = cfg.expert
+    torch.manual_seed(0)
+    expert = ActionExpert(cfg, MAX_POSITIONS).to(device).eval()
+    rows = denoise_rows(PI05_PREFIX, 1024)
+    arena = KVArena(ArenaSpec(e.layers, 1, rows, e.kv_heads, e.head_dim, torch.float32), device)
+    arena.k.normal_()
+    arena.v.normal_()
+    plen = torch.tensor(PI05_PREFIX, device=device)
+    h, a = cfg.action_horizon, cfg.action_dim
+    noise = torch.randn(h, a, device=device)
+    target = torch.randn(h, a, device=device)
+    from embodied_kv.model.rtc import prefix_weights
+
+    w = prefix_weights(h, 4, 5, "exp").to(device)
+
+    def plain():
+        return harness.time_once(lambda: expert.sample(arena, 0, plen, noise, rows), device)
+
+    def guided(kind):
+        return lambda: harness.time_once(
+            lambda: sample_guided(expert, arena, 0, plen, noise, target, w, 5.0, kind, rows),
+            device,
+        )
+
+    got = harness.interleave_calls(
+        {"plain": plain, "rtc-error": guided("error"), "rtc-vjp": guided("vjp")},
+        warmup=1, repeats=repeats,
+    )  # fmt: skip
+    out = {"layers": layers, "prefix_rows": PI05_PREFIX, "row_bucket": rows}
+    for name, ms in got.items():
+        out[name] = harness.Stats.of(ms).as_dict()
+    base = out["plain"]["median"]
+    for name in ("rtc-error", "rtc-vjp"):
+        out[name]["x_plain"] = out[name]["median"] / base
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="embodied-kv bench rtc", description=__doc__.split("\n")[0])
+    harness.add_common_args(p)
+    p.add_argument("--episodes", type=int, default=0, help="per method and delay (0: 3 quick, "
+                   "20 full)")  # fmt: skip
+    p.add_argument("--layers", type=int, default=0, help="pi05-width expert layers for the "
+                   "latency rows (0: 1 quick, 2 full; pi0.5 has 18)")  # fmt: skip
+    a = harness.parse(p, argv)
+    env = harness.Environment.start(a, argv)
+    episodes = a.episodes or (3 if a.quick else 20)
+    layers = a.layers or (1 if a.quick else 2)
+    weights = shipped_weights("world")
+    if weights is None:
+        p.error("bench rtc needs the world preset's shipped weights (embodied_kv/data/world/)")
+    model = load_trained(weights)
+    rows = closed_loop(model, episodes, env)
+    lat = latency(layers, 3 if a.quick else 7, a.device)
+    harness.progress(env, "latency done")
+    print(f"bench rtc: world preset, shipped weights, {episodes} episodes per row, "
+          f"{TICKS} ticks each; cycle every max({REPLAN}, d) ticks")  # fmt: skip
+    keys = ["success", "switches", "jump_max", "jump_p95", "jerk_mean"]
+    naive = {r["delay"]: r for r in rows if r["method"] == "naive"}
+    table = []
+    for r in rows:
+        ratio = naive[r["delay"]]["jump_max"] / r["jump_max"] if r["jump_max"] else math.inf
+        table.append([r["method"], r["delay"], *[r[k] for k in keys], ratio])
+    print_table(["method", "d", *keys, "naive/jump_max"], table)
+    print(f"latency at pi05 widths, {layers} expert layer(s), {a.device}:")
+    print_table(["loop", "median_ms", "p10_ms", "p90_ms", "x_plain"], [
+        [k, lat[k]["median"], lat[k]["p10"], lat[k]["p90"], lat[k].get("x_plain", 1.0)]
+        for k in ("plain", "rtc-error", "rtc-vjp")
+    ])  # fmt: skip
+    result = {
+        "benchmark": "rtc",
+        "quick": a.quick,
+        "config": {"episodes": episodes, "ticks": TICKS, "replan_every": REPLAN,
+                   "delays": list(DELAYS), "seed": SEED, "weights": str(weights),
+                   "rtc": vars(replace(RTCConfig(enabled=True)))},  # fmt: skip
+        "closed_loop": rows,
+        "latency_pi05_widths": lat,
+    }
+    harness.finish(result, env, a.json)
+    return 0

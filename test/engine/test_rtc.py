@@ -1,0 +1,156 @@
+"""Real-time chunking in the engine: off is today's path in bytes, beta = 0 through the engine
+is too, the guided loop replays from its graph (emulation) as eager in bytes, the queue
+measures d and reports the boundary jump, and the guide is the previous chunk shifted to
+the new chunk's first tick."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from embodied_kv.engine.action_queue import ActionQueue
+from embodied_kv.engine.engine import Engine, EngineConfig
+from embodied_kv.engine.rtc_guide import ChunkGuide
+from embodied_kv.model.rtc import RTCConfig, prefix_weights
+from embodied_kv.model.synthetic import synthetic_observation
+
+REPLAN = 5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_engine(model, rtc: RTCConfig, mode="off", cycles=4, delay=2):
+    """Cycles every REPLAN ticks; `delay` ticks popped between a cycle's observation and
+    its chunk (the chunk lands `delay` ticks late) -> (chunks' bytes, engine)."""
+    cfg = EngineConfig(num_slots=2, control_hz=0.01, narrate_every=0, history=0, blend=0,
+                       auto_episode_capsule=False, replan_every=REPLAN, rtc=rtc)  # fmt: skip
+    engine = Engine(cfg, model=model, graph_mode=mode)
+    engine.observe(synthetic_observation(model.cfg, 0))
+    engine.warmup()
+    engine.begin_episode()
+    captured = engine.graphs.captures if engine.graphs else 0
+    chunks = []
+    for c in range(cycles):
+        t0 = c * REPLAN
+        engine.observe(synthetic_observation(model.cfg, c, "stack the cups"))
+        if c:
+            for k in range(t0, t0 + delay):
+                engine.queue.pop(k)
+        chunks.append(engine.cycle(t0).chunk.tobytes())
+        for k in range(t0 + (delay if c else 0), t0 + REPLAN):
+            engine.queue.pop(k)
+    if engine.graphs is not None:
+        assert engine.graphs.captures == captured  # the guided graphs came from warmup
+        model.graphs = None
+    return chunks, engine
+
+
+def test_rtc_off_is_todays_denoise_path_in_bytes(tiny_model):
+    """Off (the default): each chunk is ActionExpert.sample's bytes (the plain loop, which
+    RTC does not touch), and the queue keeps no model-unit chunk."""
+    m = tiny_model
+    chunks, engine = run_engine(m, RTCConfig())
+    assert engine.loop.rtc is None
+    assert set(engine.queue.state_tensors()) == {"last", "chunk"}
+    for c, got in enumerate(chunks):
+        arena = m.new_arena(1, engine.manager.arena.spec.max_len)
+        slot = arena.allocate()
+        obs = engine.robot.model_observation(synthetic_observation(m.cfg, c, "stack the cups"))
+        m.prefill(arena, slot, m.embed_prefix(obs))
+        n = arena.slot_len(slot)
+        rows = 256  # model/vla.py denoise_rows of a tiny prefix
+        plain = m.expert.sample(arena, slot, torch.tensor(n), m.make_noise(c), rows)
+        want = engine.robot.actions_out(plain.float().numpy(), obs.robot_state)
+        assert np.asarray(want, np.float64).tobytes() == got
+
+
+@pytest.mark.parametrize("guidance", ["vjp", "error"])
+def test_beta_zero_through_the_engine_is_plain_in_bytes(tiny_model, guidance):
+    plain, _ = run_engine(tiny_model, RTCConfig())
+    zero, engine = run_engine(tiny_model, RTCConfig(True, 0.0, guidance=guidance))
+    assert zero == plain
+    assert engine.loop.rtc.counters.guided == 3  # every chunk after the first was guided
+    guided, _ = run_engine(tiny_model, RTCConfig(True, 5.0, guidance=guidance))
+    assert guided[0] == plain[0] and guided[1:] != plain[1:]
+
+
+@pytest.mark.parametrize("guidance", ["vjp", "error"])
+def test_guided_graph_replay_equals_eager_in_bytes(tiny_model, guidance):
+    """Emulated capture of the guided loop (its VJP included), replayed for other prefixes,
+    other noise, other previous chunks and other W (d measured 2, then fixed 3)."""
+    for delay in ("measured", 3):
+        rtc = RTCConfig(True, 5.0, guidance=guidance, delay=delay, schedule="exp")
+        eager, _ = run_engine(tiny_model, rtc)
+        graphed, engine = run_engine(tiny_model, rtc, mode="emulate")
+        assert graphed == eager
+        keys = [k for k in engine.graphs._denoise if k[0] == "rtc"]
+        assert keys == [("rtc", s, 256, guidance, 5.0) for s in range(2)]
+        assert engine.loop.rtc.counters.last_delay == (2 if delay == "measured" else 3)
+
+
+def test_queue_measures_delay_and_the_boundary_jump():
+    q = ActionQueue(horizon=4, action_dim=2, delay_ema=0.5)
+    first = np.arange(8.0).reshape(4, 2)
+    q.push(first, 0, model_chunk=first.astype(np.float32) / 10)
+    assert q.delay_ticks() is None  # nothing popped yet: no arrival to measure
+    assert q.pop(0)[0].tolist() == [0.0, 1.0] and q.switches.switches == 0
+    q.pop(1)
+    q.pop(2)
+    second = -np.ones((4, 2))
+    q.push(second, 1)  # observed at tick 1, lands at tick 3: d = 2
+    assert q.delay_ticks() == 2 and q.switches.last_delay == 2
+    assert q.previous(5) is None  # pushed without model units
+    a, fresh = q.pop(3)
+    assert fresh and a.tolist() == [-1.0, -1.0]
+    want = float(np.linalg.norm(np.array([-1.0, -1.0]) - first[2]))
+    assert q.switches.switches == 1 and q.switches.last_jump == pytest.approx(want)
+    q.push(second, 2, model_chunk=np.zeros((4, 3), np.float32))  # lands at 4: d 2 -> EMA 2
+    q.pop(4)
+    q.push(second, 2, model_chunk=np.ones((4, 3), np.float32))  # lands at 5: d 3 -> 2.5
+    assert q.delay_ticks() == 2 and q.switches.last_delay == 3
+    model, shift = q.previous(5)
+    assert shift == 3 and model.shape == (4, 3) and model.dtype == np.float32
+    state = q.state_tensors()
+    assert set(state) == {"last", "chunk", "model_chunk"}
+    other = ActionQueue(4, 2)
+    other.check_state(state, q.state_meta())
+    other.load_state(state, q.state_meta())
+    assert np.array_equal(other.previous(5)[0], model)
+    with pytest.raises(ValueError, match="model chunk"):
+        q.push(second, 3, model_chunk=np.zeros((3, 3), np.float32))
+    q.hold()
+    assert q.previous(5) is None
+
+
+def test_guide_is_the_previous_chunk_shifted_to_the_new_start():
+    h, a = 10, 3
+    q = ActionQueue(h, a)
+    prev = np.arange(h * a, dtype=np.float32).reshape(h, a)
+    q.push(prev.astype(np.float64), 100, model_chunk=prev)
+    g = ChunkGuide(RTCConfig(True, delay=2, execution_horizon=3), h, 5, "cpu")
+    guide = g.guide(q, 104)  # four ticks later: Y = prev[4:], then zeros
+    assert torch.equal(guide.target[:6], torch.from_numpy(prev[4:]))
+    assert torch.equal(guide.target[6:], torch.zeros(4, a))
+    w = prefix_weights(h, 2, 3, "exp")
+    w[6:] = 0.0
+    assert torch.equal(guide.weights, w) and guide.delay == 2
+    assert g.guide(q, 110) is None and g.guide(q, 99) is None  # no overlap / before it
+    assert g.counters.chunks == 3 and g.counters.guided == 1 and not g.counters.last_applied
+    with pytest.raises(ValueError, match="execution_horizon"):
+        ChunkGuide(RTCConfig(True, execution_horizon=11), h, 5, "cpu")
+    with pytest.raises(ValueError, match="enabled"):
+        ChunkGuide(RTCConfig(), h, 5, "cpu")
+
+
+def test_engine_config_refuses_rtc_with_action_tokens():
+    with pytest.raises(ValueError, match="rtc"):
+        EngineConfig(action_mode="ar", rtc=RTCConfig(enabled=True))
+    cfg = EngineConfig(rtc=RTCConfig(enabled=True, guidance="error"))
+    assert dataclasses.replace(cfg, rtc=RTCConfig()).rtc.enabled is False
