@@ -35,7 +35,7 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
-$(STAMP): scripts/setup.sh requirements.lock CMakeLists.txt package.xml $(wildcard msg/*.msg srv/*.srv action/*.action)
+$(STAMP): scripts/setup.sh requirements.lock requirements-nodeps.lock CMakeLists.txt package.xml $(wildcard msg/*.msg srv/*.srv action/*.action)
 	scripts/setup.sh
 	@touch $@
 

@@ -50,6 +50,9 @@ setup(
             "ros-trajectory-msgs",
             "ros-diagnostic-msgs",
         ],
+        # `embodied-kv serve` (serve/); its tests also need openpi-client, installed with
+        # --no-deps (requirements-nodeps.lock: it pins numpy<2)
+        "serve": ["websockets>=13", "msgpack>=1.0", "PyYAML"],
         "test": ["pytest", "pytest-timeout", "ruff"],
     },
     entry_points={

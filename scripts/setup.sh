@@ -54,7 +54,7 @@ flavour=${EMBODIED_KV_TORCH:-}
 if [ -z "$flavour" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then flavour=cuda; else flavour=cpu; fi
 fi
-deps_key="$(hash_of "$ROOT/requirements.lock")-$flavour"
+deps_key="$(hash_of "$ROOT/requirements.lock" "$ROOT/requirements-nodeps.lock")-$flavour"
 if [ "$(cat "$VENV/.embodied_kv-deps" 2>/dev/null)" != "$deps_key" ]; then
   start=$SECONDS
   if [ "$flavour" = cuda ]; then
@@ -78,6 +78,8 @@ if [ "$(cat "$VENV/.embodied_kv-deps" 2>/dev/null)" != "$deps_key" ]; then
   fi
   say "installing requirements.lock"
   "${PIP[@]}" install -q -r "$ROOT/requirements.lock"
+  # openpi-client's numpy<2 pin cannot resolve beside numpy 2 (requirements-nodeps.lock)
+  "${PIP[@]}" install -q --no-deps -r "$ROOT/requirements-nodeps.lock"
   echo "$deps_key" > "$VENV/.embodied_kv-deps"
   say "dependencies installed in $((SECONDS - start)) s"
 fi
