@@ -77,8 +77,10 @@ def make_nodes(params: RobotParams, host: EngineHost) -> list[EmbodiedNode]:
 
 
 def unknown_parameters(params: RobotParams, nodes: Sequence[EmbodiedNode]) -> list[str]:
-    """Config keys that no node declares (typos would otherwise be silently ignored)."""
-    keys = set(params.common) | {k for section in params.per_node.values() for k in section}
+    """Config keys that no node declares (typos would otherwise be silently ignored).
+    The `serve` section is `embodied-kv serve`'s (serve/config.py checks it)."""
+    sections = [v for name, v in params.per_node.items() if name != "serve"]
+    keys = set(params.common) | {k for section in sections for k in section}
     return sorted(
         k for k in keys - set(CONTAINER_KEYS) if not any(n.has_parameter(k) for n in nodes)
     )
