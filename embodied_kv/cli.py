@@ -102,6 +102,11 @@ _DATA_FLAGS = (
     ("--two-hop-share", float, "share of memory queries that need two lookups (default 0.5)"),
     ("--two-hop-answer", str, "place (default) or path: a two-hop answer names the container "
                               "first, 'in the red box on the shelf'"),
+    ("--rollout", str, "fixed (default: 0..20 expert steps) or task: only states before the "
+                       "expert's success (docs/world_training.md)"),
+    ("--first-share", float, "rollout task: share of samples at the episode's first state"),
+    ("--arm-start-share", float, "rollout task: share of episodes from a random high arm pose"),
+    ("--where-share", float, "share of scene questions 'where is the X ?' (left/middle/right)"),
 )  # fmt: skip
 
 
@@ -116,7 +121,8 @@ def train_config(args: argparse.Namespace):
 
     given = {k: getattr(args, k)
              for k in ("batch", "buckets", "lr", "threads", "curriculum", "ramp", "warmup",
-                       "data_workers", "embed_std", "until", "stop_after")}  # fmt: skip
+                       "data_workers", "embed_std", "until", "stop_after", "flow_dims",
+                       "ground_weight", "ground_layer")}  # fmt: skip
     data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
     return TrainConfig(
         out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -223,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="end this call before this step (the schedule stays --steps')")
     tr.add_argument("--stop-after", type=float,
                     help="end this call after this many minutes, resumable (schedule unchanged)")
+    tr.add_argument("--flow-dims", type=int,
+                    help="flow loss over the first N action dims (4: the world's real ones; "
+                         "default 0: all)")  # fmt: skip
+    tr.add_argument("--ground-weight", type=float,
+                    help="weight of the training-only grounding head's loss (named movable / "
+                         "container / other per patch; default 0: off)")  # fmt: skip
+    tr.add_argument("--ground-layer", type=int,
+                    help="backbone layers before the grounding head's image rows (default 2)")
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)
@@ -236,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
         "recall-probe", help="can the backbone learn a two-word-key lookup (train/recall_probe.py)"
     )
     probe.add_argument("args", nargs=argparse.REMAINDER, help="see --help after the command")
+
+    srv = commands.add_parser(
+        "serve", help="openpi's websocket policy protocol over this engine (docs/serve.md), no ROS"
+    )
+    srv.add_argument("args", nargs=argparse.REMAINDER, help="see --help after the command")
     return parser
 
 
@@ -250,18 +269,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from embodied_kv.train import recall_probe
 
         return recall_probe.main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from embodied_kv.serve import main as serve
 
-    srv = commands.add_parser(
-        "serve", help="openpi's websocket policy protocol over this engine (docs/serve.md), no ROS"
-    )
-    srv.add_argument("args", nargs=argparse.REMAINDER, help="see --help after the command")
+        return serve.main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.run(args)
 
 
 if __name__ == "__main__":
     sys.exit(main())
-    if argv[:1] == ["serve"]:
-        from embodied_kv.serve import main as serve
-
-        return serve.main(argv[1:])

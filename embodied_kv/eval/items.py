@@ -4,7 +4,7 @@ training seed (train/loop.py EVAL_SEED_BASE); item i is a pure function of (cfg,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,7 +12,7 @@ from embodied_kv.eval.runners import as_runner
 from embodied_kv.kv.manager import TaskKind
 from embodied_kv.train.loop import EVAL_SEED_BASE
 from embodied_kv.world import memory, questions
-from embodied_kv.world.expert import expert_chunk
+from embodied_kv.world.expert import STAGES, expert_action, expert_chunk
 from embodied_kv.world.scene import Scene, make_scene
 from embodied_kv.world.tasks import PutTask, sample_task
 
@@ -45,6 +45,10 @@ class EvalConfig:
 class Episode:
     success: bool
     chunks: list[np.ndarray]  # [H, A] each, as the runner returned them
+    # per control cycle: (the task's stage there, xy distance of the chunk's first action
+    # from the expert's action at that state), the per-stage errors of `eval world`
+    errors: list[tuple[str, float]] = field(default_factory=list)
+    stage: str = ""  # the stage where it ended ("done" on success, else where it was stuck)
 
 
 def episode(scene_seed: int) -> tuple[Scene, PutTask]:
@@ -59,27 +63,49 @@ def run_episode(runner, cfg: EvalConfig, index: int, start: int = 0, state=None)
     scene, task = state or episode(cfg.seed + index)
     if runner is not None and start == 0:
         runner.begin()
-    chunks = []
+    chunks, errors = [], []
     for c in range(start, cfg.max_cycles):
         if runner is None:
             chunk = expert_chunk(scene, task, cfg.replan_every)
         else:
             chunk = runner.act(scene, task.instruction, c)
         chunks.append(chunk)
+        want, phase = expert_action(scene, task)
+        errors.append((STAGES[phase], float(np.hypot(*(np.asarray(chunk[0][:2]) - want[:2])))))
         for a in chunk[: cfg.replan_every]:
             scene.step(a)
         if task.success(scene):
-            return Episode(True, chunks)
-    return Episode(False, chunks)
+            return Episode(True, chunks, errors, "done")
+    return Episode(False, chunks, errors, STAGES[expert_action(scene, task)[1]])
 
 
 def closed_loop(runner, cfg: EvalConfig) -> float:
     """Task success rate over cfg.episodes; runner (or an Engine) None runs the scripted
     expert."""
+    return closed_loop_stages(runner, cfg)["success"]
+
+
+def closed_loop_stages(runner, cfg: EvalConfig) -> dict:
+    """-> success (rate over cfg.episodes), err_<stage> (mean xy distance of the first
+    action from the expert's over the cycles at that stage) and stuck_<stage> (failed
+    episodes that ended there)."""
     if cfg.episodes == 0:
-        return float("nan")
+        return {"success": float("nan")}
     runner = as_runner(runner)
-    return float(np.mean([run_episode(runner, cfg, e).success for e in range(cfg.episodes)]))
+    eps = [run_episode(runner, cfg, e) for e in range(cfg.episodes)]
+    out: dict = {"success": float(np.mean([e.success for e in eps]))}
+    for stage in STAGE_ORDER:
+        errs = [d for e in eps for s, d in e.errors if s == stage]
+        if errs:
+            out[f"err_{stage}"] = float(np.mean(errs))
+    for stage in STAGE_ORDER:
+        stuck = sum(not e.success and e.stage == stage for e in eps)
+        if stuck:
+            out[f"stuck_{stage}"] = stuck
+    return out
+
+
+STAGE_ORDER = ("approach", "grasp", "carry", "release")
 
 
 def question_item(cfg: EvalConfig, i: int) -> tuple[Scene, PutTask, questions.QA]:

@@ -24,9 +24,11 @@ from embodied_kv.engine.loading import shipped_weights
 from embodied_kv.eval import sanity
 from embodied_kv.eval.items import (  # EvalConfig, closed_loop, episode: also imported from here
     ACTION_MODES,
+    STAGE_ORDER,
     EvalConfig,
     answer,
     closed_loop,
+    closed_loop_stages,
     episode,
     memory_item,
     question_item,
@@ -39,9 +41,9 @@ from embodied_kv.model.vla import build_model
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.world import memory, questions
 
-__all__ = ["EvalConfig", "accuracy_of", "closed_loop", "episode", "evaluate", "main",
-           "make_engine", "memory_accuracy", "question_accuracy", "question_results",
-           "run"]  # fmt: skip
+__all__ = ["EvalConfig", "accuracy_of", "closed_loop", "closed_loop_stages", "episode",
+           "evaluate", "main", "make_engine", "memory_accuracy", "question_accuracy",
+           "question_results", "run"]  # fmt: skip
 
 SLOW_HZ = 1e-3  # a control period of minutes: every decode finishes within its cycle
 AR_HORIZON = 10  # `ar`: bins tokens of 10 ticks x 8 dims (the world preset's 256 action ids)
@@ -104,7 +106,7 @@ def evaluate(model, cfg: EvalConfig) -> dict:
     engine = make_engine(model, cfg)
     runner = EngineRunner(engine)
     t = time.perf_counter()
-    row: dict = {"success": closed_loop(runner, cfg)}
+    row: dict = closed_loop_stages(runner, cfg)
     row |= question_accuracy(runner, cfg)
     row |= memory_accuracy(runner, cfg)
     row["seconds"] = time.perf_counter() - t
@@ -142,7 +144,7 @@ def run(weights: str, tokenizer: str, cfg: EvalConfig, oracle: bool = True) -> d
     if trained is not None:
         rows["trained"] = evaluate(trained, cfg)
     if oracle:
-        rows["expert"] = {"success": closed_loop(None, cfg)}
+        rows["expert"] = closed_loop_stages(None, cfg)
     return {
         "benchmark": "eval_world",
         "device": device_name("cpu"),
@@ -151,6 +153,17 @@ def run(weights: str, tokenizer: str, cfg: EvalConfig, oracle: bool = True) -> d
         "chance": chance(),
         "rows": rows,
     }
+
+
+def print_stages(rows: dict) -> None:
+    """Per row: the first action's xy error per task stage, and where failed episodes
+    were stuck."""
+    for name, row in rows.items():
+        errs = [f"{s} {row[f'err_{s}']:.3f}" for s in STAGE_ORDER if f"err_{s}" in row]
+        stuck = [f"{s} {row[f'stuck_{s}']}" for s in STAGE_ORDER if f"stuck_{s}" in row]
+        if errs or stuck:
+            print(f"{name}: first-action xy error by stage: {', '.join(errs) or '-'}; "
+                  f"failed episodes stuck at: {', '.join(stuck) or 'none'}")
 
 
 def default_weights() -> str:
@@ -191,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if "ar_chunks" in row:
             print(f"ar {name}: {row['ar_invalid']} of {row['ar_chunks']} action-token chunks "
                   "invalid (decoded as zeros)")  # fmt: skip
+    print_stages(result["rows"])
     sanity.print_rows(result["rows"])
     if a.json:
         write_json(result, a.json)

@@ -13,7 +13,7 @@ KINDS = {TextChunk.TASK_NARRATION: "narration", TextChunk.TASK_ANSWER: "answer",
          TextChunk.TASK_PLAN: "plan"}  # fmt: skip
 ENDINGS = {TextChunk.STATUS_TRUNCATED: "truncated", TextChunk.STATUS_REFUSED: "refused",
            TextChunk.STATUS_CANCELLED: "cancelled"}  # fmt: skip
-SHOWN_EPISODES = 4  # the last episodes listed one by one
+SHOWN_EPISODES = 12  # the last episodes listed one by one
 
 
 @dataclass(frozen=True)
@@ -132,17 +132,24 @@ class Report:
         return out
 
     def _episodes(self) -> list[str]:
-        """The simulated arm's tasks: how many ended, how many succeeded, the last few."""
+        """The simulated arm's tasks: how many ended, how many succeeded, at which stage
+        the failed ones were stuck, the last few one by one."""
         n, wins = len(self.episodes), sum(e.success for e in self.episodes)
         rate = f" ({wins / n:.0%})" if n else ""
+        stuck: dict[str, int] = {}
+        for e in self.episodes:
+            if not e.success:
+                stuck[e.stage or "?"] = stuck.get(e.stage or "?", 0) + 1
         lines = [
             f"task success: {wins} of {n} episodes{rate}; one more running "
             f"({self.episode_steps} actions in)"
             + (f"; {self.rejected_actions} action messages not applicable"
                if self.rejected_actions else "")
+            + ("; step limit at " + ", ".join(f"{k} {v}" for k, v in stuck.items())
+               if stuck else "")
         ]  # fmt: skip
         for e in self.episodes[-SHOWN_EPISODES:]:
-            verdict = "done" if e.success else "failed (step limit)"
+            verdict = "done" if e.success else f"step limit, stuck at {e.stage or '?'}"
             lines.append(f"  episode {e.index + 1} {e.instruction!r}: {verdict} "
                          f"after {e.steps} actions")  # fmt: skip
         return lines

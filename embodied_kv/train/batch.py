@@ -32,6 +32,8 @@ class Batch:
     actions: torch.Tensor  # [B, H, A] expert chunks (A = the model's padded action_dim)
     patches: torch.Tensor  # [B, I] class id of each image token's patch (render.LABELS)
     kinds: list[str]
+    ground: torch.Tensor | None = None  # [B, I] dataset.GROUND id of each image token's patch
+    phases: list[str] | None = None  # the expert's phase at each sample's state
 
     @property
     def size(self) -> int:
@@ -80,6 +82,8 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         actions=actions.float(),
         patches=torch.from_numpy(np.stack([s.patches.reshape(-1) for s in samples])),
         kinds=[s.kind for s in samples],
+        ground=torch.from_numpy(np.stack([s.ground.reshape(-1) for s in samples])),
+        phases=[s.phase for s in samples],
     )
 
 

@@ -30,9 +30,11 @@ class BackboneOut:
     prefix_len: torch.Tensor  # [B] P_b
     image_tokens: int  # I
     images: torch.Tensor | None = None  # [B, I, W] the projected image tokens (aux loss)
+    tapped: torch.Tensor | None = None  # [B, I, W] image rows after `tap` layers (grounding)
 
 
-def backbone_forward(model, batch: Batch) -> BackboneOut:
+def backbone_forward(model, batch: Batch, tap: int = 0) -> BackboneOut:
+    """`tap` > 0: also the image rows of the residual stream after that many layers."""
     bb, cfg = model.backbone, model.cfg
     b, cams = batch.images.shape[:2]
     img = model.vision(batch.images.reshape(b * cams, *batch.images.shape[2:]))
@@ -48,14 +50,21 @@ def backbone_forward(model, batch: Batch) -> BackboneOut:
     allowed = torch.where(
         in_prefix[:, :, None], in_prefix[:, None, :], causal[None]
     ) & valid[:, None, :]  # [B, L(i), L(j)]
-    x, keys, values = backbone_layers(bb, x, allowed)
-    return BackboneOut(bb.norm(x), keys, values, prefix, n_img, img)
+    tapped: list[torch.Tensor] = []
+    x, keys, values = backbone_layers(bb, x, allowed, tap, tapped)
+    rows = tapped[0][:, :n_img] if tapped else None
+    return BackboneOut(bb.norm(x), keys, values, prefix, n_img, img, rows)
 
 
-def backbone_layers(bb, x: torch.Tensor, allowed: torch.Tensor) -> tuple:
+def backbone_layers(
+    bb, x: torch.Tensor, allowed: torch.Tensor, tap: int = 0, tapped: list | None = None
+) -> tuple:
     """The backbone's decoder layers over x [B, L, W] at positions 0..L-1 with the key
     mask allowed [B, L(i), L(j)] -> (x, per-layer rotated keys, values) (also the
-    text-only recall probe's forward, train/recall_probe.py)."""
+    text-only recall probe's forward, train/recall_probe.py); x after `tap` layers is
+    appended to `tapped`."""
+    if tap and not 1 <= tap <= len(bb.layers):
+        raise ValueError(f"tap {tap} must be in [1, {len(bb.layers)}] (layers)")
     b, seq = x.shape[:2]
     cfg = bb.cfg
     cos_sin = bb.rope.at(torch.arange(seq, device=x.device).repeat(b))
@@ -75,6 +84,8 @@ def backbone_layers(bb, x: torch.Tensor, allowed: torch.Tensor) -> tuple:
         )  # [B, Hq, L, D]
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, seq, heads * d))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if tapped is not None and len(keys) == tap:
+            tapped.append(x)
     return x, keys, values
 
 

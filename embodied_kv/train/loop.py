@@ -22,6 +22,7 @@ from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import make_batch
+from embodied_kv.train.grounding import GroundHead
 from embodied_kv.train.losses import add_counts, compute_losses
 from embodied_kv.train.resume import (
     RunState,
@@ -54,6 +55,13 @@ class TrainConfig:
     # auxiliary loss: each image token's patch class (world/render.py patch_labels) from
     # a linear head that lives only in training (not in the weights); 0 = off
     patch_weight: float = 1.0
+    # the flow loss over the first flow_dims action dims (4: the world's real ones, x y z
+    # gripper; dims 4..7 are always 0); 0 = every dim of the model's action_dim
+    flow_dims: int = 0
+    # the training-only grounding head (train/grounding.py) on the image rows after
+    # ground_layer backbone layers: named movable / named container / other; 0 = off
+    ground_weight: float = 0.0
+    ground_layer: int = 2
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 200
@@ -107,6 +115,9 @@ class TrainConfig:
             raise ValueError(f"embed_std={self.embed_std} must be in [0, 1)")
         if self.until < 0 or self.stop_after < 0:
             raise ValueError(f"until={self.until} and stop_after={self.stop_after} must be >= 0")
+        if self.flow_dims < 0 or self.ground_weight < 0 or self.ground_layer < 1:
+            raise ValueError(f"flow_dims={self.flow_dims} >= 0, ground_weight="
+                             f"{self.ground_weight} >= 0, ground_layer={self.ground_layer} >= 1")
         if not 0 <= self.seed < 2**15:
             raise ValueError(f"seed {self.seed} must be in [0, 32768)")
 
@@ -169,11 +180,16 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
         torch.manual_seed(cfg.seed)  # the patch head's init
         head = torch.nn.Linear(mcfg.backbone.width, len(LABELS)).to(cfg.device)
         params += list(head.parameters())
+    ground = None
+    if cfg.ground_weight > 0:
+        torch.manual_seed(cfg.seed + 1)  # the grounding head's init
+        ground = GroundHead(mcfg.backbone.width, cfg.ground_layer).to(cfg.device)
+        params += list(ground.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     run = RunState(0, 0.0)
     if cfg.resume:
-        run = load_state(out, model, cfg, opt, head, gen)
+        run = load_state(out, model, cfg, opt, head, gen, ground)
     log_path = out / "train_log.jsonl"
     keep_log(log_path, run.step)
     records: list[dict] = []
@@ -184,6 +200,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     step = run.step
     first_acc: dict[str, list[int]] = {}  # per kind over the log window: [right, counted]
     answer_acc: dict[str, list[int]] = {}  # the same over whole answers
+    stage_err: dict[str, list[float]] = {}  # per task stage over the log window: [sum, n]
     source = StepSamples(
         lambda s: data_at(cfg, data, s), lambda s, i: data_seed(cfg.seed, s, i, cfg.batch),
         cfg.batch, cfg.data_workers,
@@ -205,7 +222,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
             parts = []
             for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
                 losses = compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch,
-                                        head, cfg.patch_weight)  # fmt: skip
+                                        head, cfg.patch_weight, cfg.flow_dims, ground,
+                                        cfg.ground_weight)  # fmt: skip
                 losses.total.backward()
                 parts.append(losses)
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -214,10 +232,13 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
             records.append(rec)
             add_counts(first_acc, rec["first"])
             add_counts(answer_acc, rec["whole"])
+            add_counts(stage_err, rec.pop("stage"))
             if step % cfg.log_every == 0:
                 rec["first_acc"], rec["answer_acc"] = shares(first_acc), shares(answer_acc)
+                rec["stage_err"] = shares(stage_err)
                 first_acc.clear()
                 answer_acc.clear()
+                stage_err.clear()
                 with open(log_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
             bar.update(1)
@@ -225,11 +246,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
                             flow=f"{rec['flow']:.3f}", acc=f"{rec['text_acc']:.2f}")  # fmt: skip
             step += 1
             if step % cfg.ckpt_every == 0:
-                save_run(cfg, model, opt, head, gen, RunState(step, time.perf_counter() - start))
+                save_run(cfg, model, opt, head, gen, RunState(step, time.perf_counter() - start),
+                         ground)  # fmt: skip
     finally:
         source.close()  # worker processes end with the run, also when it fails
     bar.close()
-    save_run(cfg, model, opt, head, gen, RunState(step, time.perf_counter() - start))
+    save_run(cfg, model, opt, head, gen, RunState(step, time.perf_counter() - start), ground)
     return records
 
 
@@ -247,10 +269,11 @@ def keep_log(path: Path, step: int) -> None:
     path.write_text("".join(x + "\n" for x in kept))
 
 
-def save_run(cfg: TrainConfig, model, opt, head, gen, run: RunState) -> None:
-    """The state that resumes the run (weights included), then the weights it ships."""
+def save_run(cfg: TrainConfig, model, opt, head, gen, run: RunState, ground=None) -> None:
+    """The state that resumes the run (weights included, the training-only heads too),
+    then the weights it ships (the model's own parameters only)."""
     out = Path(cfg.out)
-    save_state(out, model, cfg, opt, head, gen, run)
+    save_state(out, model, cfg, opt, head, gen, run, ground)
     save_checkpoint(model, out)
 
 
@@ -300,9 +323,11 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
     n_text = sum(p.n_text for p in parts) or 1
     first: dict[str, list[int]] = {}
     whole: dict[str, list[int]] = {}
+    stage: dict[str, list[float]] = {}
     for p in parts:
         add_counts(first, p.first_right)
         add_counts(whole, p.whole_right)
+        add_counts(stage, p.stage_err)
     return {
         "step": step,
         "loss": float(sum(p.total.detach() for p in parts)),
@@ -311,8 +336,12 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "text_acc": sum(p.text_acc * p.n_text for p in parts) / n_text,
         "patch": sum(p.patch * p.n_samples for p in parts) / n,
         "patch_acc": sum(p.patch_acc * p.n_samples for p in parts) / n,
+        "flow_real": sum(p.flow_real * p.n_samples for p in parts) / n,
+        "ground": sum(p.ground * p.n_samples for p in parts) / n,
+        "ground_recall": sum(p.ground_recall * p.n_samples for p in parts) / n,
         "first": first,
         "whole": whole,
+        "stage": stage,
         "seconds": round(seconds, 2),
     }
 

@@ -15,8 +15,12 @@ import torch.nn.functional as F
 
 from embodied_kv.train.batch import IGNORE, Batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
+from embodied_kv.train.grounding import GroundHead
+from embodied_kv.world.expert import STAGES
+from embodied_kv.world.scene import REAL_ACTION_DIMS
 
 BETA_A, BETA_B = 1.5, 1.0  # openpi sample_time
+REAL = REAL_ACTION_DIMS
 
 
 @dataclass
@@ -35,6 +39,12 @@ class Losses:
     # per sample kind: [right, counted] over whole turns, every target token and the EOS
     # right (a two-hop path answer's first word, "in", says nothing of its place)
     whole_right: dict[str, list[int]] = field(default_factory=dict)
+    # per task stage (expert.STAGES): [sum, count] of the xy distance between the first
+    # action's one-step estimate x_t - t v and the expert's (table units)
+    stage_err: dict[str, list[float]] = field(default_factory=dict)
+    flow_real: float = 0.0  # the flow loss over the real action dims (scene.REAL_ACTION_DIMS)
+    ground: float = 0.0  # grounding head's weighted cross-entropy (0 without the head)
+    ground_recall: float = 0.0  # share of the named movable's patches the head finds
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -47,14 +57,16 @@ def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
 def compute_losses(
     model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0,
     sample_share: float = 1.0, patch_head: torch.nn.Module | None = None,
-    patch_weight: float = 1.0,
+    patch_weight: float = 1.0, flow_dims: int = 0, ground_head: GroundHead | None = None,
+    ground_weight: float = 0.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
     the mean over samples of each sample's mean token loss: an `actions` sample's 80 ids
     weigh as much as a plan's few answer words (per token, the action ids would be three
-    quarters of the text loss and the answers a few percent)."""
-    out = backbone_forward(model, batch)
+    quarters of the text loss and the answers a few percent). `flow_dims` > 0: the flow
+    loss over the first flow_dims action dims only (the world's real ones; 0 = all)."""
+    out = backbone_forward(model, batch, ground_head.layer if ground_head is not None else 0)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
     logits = text_logits(model, out, rows, cols)  # [N, V]
     targets = batch.labels[rows, cols]
@@ -68,8 +80,15 @@ def compute_losses(
     tt = t[:, None, None]
     x_t = tt * noise + (1 - tt) * actions
     v = expert_velocity(model, out, x_t, t)
-    flow = F.mse_loss(v, noise - actions)
+    dims = flow_dims or actions.shape[-1]
+    flow = F.mse_loss(v[..., :dims], (noise - actions)[..., :dims])
+    real = F.mse_loss(v[..., :REAL], (noise - actions)[..., :REAL]).detach()
     total = text + flow_weight * flow
+    ground = torch.zeros(())
+    recall = 0.0
+    if ground_head is not None and batch.ground is not None:
+        ground, recall = ground_head.loss(out.tapped, batch.ground)
+        total = total + ground_weight * ground
     patch = patch_acc = torch.zeros(())
     if patch_head is not None:  # [B, I, K] vs [B, I]
         patch_logits = patch_head(out.images.float())
@@ -77,9 +96,23 @@ def compute_losses(
         patch_acc = (patch_logits.argmax(-1) == batch.patches).float().mean()
         total = total + patch_weight * patch
     first, whole = turn_counts(batch, rows, cols, right)
+    estimate = (x_t - tt * v).detach()  # the one-step estimate of the clean chunk
     return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
                   float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
-                  float(patch_acc), whole)  # fmt: skip
+                  float(patch_acc), whole, stage_errors(estimate, actions, batch.phases),
+                  float(real), float(ground.detach()), recall)  # fmt: skip
+
+
+def stage_errors(estimate: torch.Tensor, actions: torch.Tensor, phases) -> dict:
+    """Per task stage [sum, count] of the first action's xy distance (estimate [B, H, A]
+    vs actions [B, H, A])."""
+    if phases is None:
+        return {}
+    dist = (estimate[:, 0, :2] - actions[:, 0, :2]).norm(dim=-1).tolist()
+    out: dict[str, list[float]] = {}
+    for phase, d in zip(phases, dist, strict=True):
+        add_counts(out, {STAGES[phase]: [d, 1]})
+    return out
 
 
 def per_sample_mean(loss: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -114,8 +147,8 @@ def turn_counts(batch: Batch, rows, cols, right) -> tuple[dict, dict]:
     return first, whole
 
 
-def add_counts(into: dict[str, list[int]], counts: dict[str, list[int]]) -> None:
-    """Per-kind [right, counted] pairs of `counts` added into `into`."""
+def add_counts(into: dict[str, list], counts: dict[str, list]) -> None:
+    """Per-kind [right, counted] (or [sum, counted]) pairs of `counts` added into `into`."""
     for kind, (right, n) in counts.items():
         total = into.setdefault(kind, [0, 0])
         total[0], total[1] = total[0] + right, total[1] + n

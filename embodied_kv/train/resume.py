@@ -70,6 +70,7 @@ def _diff(old: dict, new: dict, obj, prefix: str) -> list[str]:
 def save_state(
     out: Path, model: torch.nn.Module, cfg, opt: torch.optim.Optimizer,
     head: torch.nn.Module | None, gen: torch.Generator, state: RunState,
+    ground: torch.nn.Module | None = None,
 ) -> Path:
     tensors = {"generator": gen.get_state()}
     tensors |= {f"model.{k}": v for k, v in model.state_dict().items()}
@@ -78,6 +79,8 @@ def save_state(
             tensors[f"opt.{i}.{name}"] = torch.as_tensor(value)
     if head is not None:
         tensors |= {f"head.{k}": v for k, v in head.state_dict().items()}
+    if ground is not None:
+        tensors |= {f"ground.{k}": v for k, v in ground.state_dict().items()}
     meta = {"format": STATE_FORMAT, "step": str(state.step), "elapsed": repr(state.elapsed),
             "config": run_fingerprint(cfg)}  # fmt: skip
     path = out / STATE_FILE
@@ -88,10 +91,11 @@ def save_state(
 @torch.no_grad()
 def load_state(
     out: Path, model: torch.nn.Module, cfg, opt: torch.optim.Optimizer,
-    head: torch.nn.Module | None, gen: torch.Generator,
+    head: torch.nn.Module | None, gen: torch.Generator, ground: torch.nn.Module | None = None,
 ) -> RunState:
-    """Restore model, opt, head and gen in place from out/train_state.safetensors;
-    ResumeError naming what does not match (then nothing was changed)."""
+    """Restore model, opt, head, gen (and the grounding head) in place from
+    out/train_state.safetensors; ResumeError naming what does not match (then nothing
+    was changed)."""
     path = check_resumable(out)
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -106,13 +110,8 @@ def load_state(
         raise ResumeError(f"{path}: written by a run with another config; resume with the "
                           f"same flags ({'; '.join(changes)})")  # fmt: skip
     opt_state = _optimizer_state(opt, tensors, path)
-    head_state = {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}
-    if head is not None:
-        want = head.state_dict()
-        if set(head_state) != set(want) or any(
-            head_state[k].shape != want[k].shape for k in want
-        ):
-            raise ResumeError(f"{path}: its patch head does not fit this run's")
+    head_state = _head_state(tensors, "head.", head, path, "patch head")
+    ground_state = _head_state(tensors, "ground.", ground, path, "grounding head")
     weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
     try:  # checks every key and shape before it copies: the first change to the run
         assign_state(model, weights, str(path))
@@ -121,8 +120,20 @@ def load_state(
     opt.load_state_dict(opt_state)
     if head is not None:
         head.load_state_dict(head_state)
+    if ground is not None:
+        ground.load_state_dict(ground_state)
     gen.set_state(tensors["generator"])
     return RunState(int(meta["step"]), float(meta["elapsed"]))
+
+
+def _head_state(tensors: dict, prefix: str, head, path: Path, what: str) -> dict:
+    """The saved tensors of a training-only head, checked against `head` (None: unused)."""
+    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if head is not None:
+        want = head.state_dict()
+        if set(state) != set(want) or any(state[k].shape != want[k].shape for k in want):
+            raise ResumeError(f"{path}: its {what} does not fit this run's")
+    return state
 
 
 def check_resumable(out: Path) -> Path:

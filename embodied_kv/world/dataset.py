@@ -14,6 +14,12 @@ Every sample also carries per-patch class labels of its cameras (render.patch_la
 the dense target of an auxiliary loss on the image tokens, as pi0.5 co-trains its VLM
 on object detection — one label per patch instead of one answer word per question.
 
+`rollout="task"` (issue 34) draws states that teach the task rather than "stay where the
+arm is": only states before the expert's success, `first_share` of them the episode's first
+(the pose eval starts from), `arm_start_share` of the episodes from a random high arm pose;
+each sample also labels its patches as the named movable / named container / other
+(`ground`: the training-only grounding head's target, train/losses.py).
+
 Answers and plans carry `turns` questions about the same scene / facts: the first is
 laid out exactly as the engine asks it, the others follow it ('\nQuestion: ...' again,
 after the previous answer's EOS) — more answers per prefill, the same format.
@@ -25,16 +31,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embodied_kv.world.expert import expert_action, expert_chunk
+from embodied_kv.world.expert import expert_action, expert_chunk, steps_to_success
 from embodied_kv.world.memory import ANSWER_FORMS, sample_queries
 from embodied_kv.world.narration import narrate
 from embodied_kv.world.questions import sample_question
-from embodied_kv.world.render import observation_images, patch_labels
-from embodied_kv.world.scene import ACTION_DIM, make_scene
-from embodied_kv.world.tasks import sample_task
+from embodied_kv.world.render import label_of, observation_images, patch_labels
+from embodied_kv.world.scene import ACTION_DIM, Scene, make_scene
+from embodied_kv.world.tasks import PutTask, sample_task
 from embodied_kv.world.vocab import COLOURS, CONTAINERS
 
 TEXT_KINDS = ("answer", "plan", "narration", "actions")
+ROLLOUTS = ("fixed", "task")  # 0..max_rollout expert steps | states before the success
+GROUND = ("other", "movable", "container")  # grounding classes: the instruction's objects
 MAX_OBJECTS = len(COLOURS) * len(CONTAINERS)  # distinct containers the vocabulary names
 
 
@@ -55,6 +63,10 @@ class DataConfig:
     two_hop_answer: str = "place"  # or "path": 'in the <container> on the <place>' (memory.py)
     max_rollout: int = 20  # expert steps before the sampled observation
     perturb: float = 0.3  # share of rollouts that start with random actions (recovery)
+    rollout: str = "fixed"  # ROLLOUTS; "task": states before the expert's success only
+    first_share: float = 0.0  # "task": share of samples at the episode's first state
+    arm_start_share: float = 0.0  # "task": share of episodes from a random high arm pose
+    where_share: float = 0.0  # share of scene questions "where is the X ?" (left/middle/right)
 
     def __post_init__(self):
         if len(self.text_mix) != len(TEXT_KINDS) or min(self.text_mix) < 0 or sum(
@@ -62,12 +74,16 @@ class DataConfig:
         ) <= 0:
             raise ValueError(f"text_mix {self.text_mix} needs {len(TEXT_KINDS)} weights >= 0, "
                              f"not all 0 ({TEXT_KINDS})")  # fmt: skip
-        if not all(0 <= x <= 1 for x in (self.two_hop_share, self.perturb, self.memory_hard)):
+        if not all(0 <= x <= 1 for x in (self.two_hop_share, self.perturb, self.memory_hard,
+                                         self.first_share, self.arm_start_share,
+                                         self.where_share)):  # fmt: skip
             raise ValueError(f"shares must be in [0, 1]: {self}")
         if self.horizon < 1 or self.max_rollout < 0 or self.memory_updates < 0:
             raise ValueError(f"bad data config: {self}")
         if self.two_hop_answer not in ANSWER_FORMS:
             raise ValueError(f"two_hop_answer {self.two_hop_answer!r}: one of {ANSWER_FORMS}")
+        if self.rollout not in ROLLOUTS:
+            raise ValueError(f"rollout {self.rollout!r}: one of {ROLLOUTS}")
         if self.turns < 1 or not 2 <= self.memory_objects <= MAX_OBJECTS:
             raise ValueError(f"turns >= 1 and memory_objects in [2, {MAX_OBJECTS}]: {self}")
 
@@ -81,6 +97,8 @@ class Sample:
     kind: str  # one of TEXT_KINDS
     turns: tuple[tuple[str, str], ...]  # (text after the prompt or the previous EOS, target)
     patches: np.ndarray  # [cameras, patches] class ids (render.LABELS): the auxiliary target
+    ground: np.ndarray  # [cameras, patches] GROUND ids: the instruction's objects per patch
+    phase: str  # the expert's phase at this state (expert.STAGES groups them)
 
     @property
     def suffix(self) -> str:
@@ -97,21 +115,22 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
     rng = np.random.default_rng(seed)
     scene = make_scene(rng)
     task = sample_task(scene, rng)
-    if rng.random() < cfg.perturb:
-        for _ in range(int(rng.integers(1, 4))):
-            act = np.zeros(ACTION_DIM)
-            act[:4] = rng.uniform(-1, 1, size=4)
+    if cfg.rollout == "task":
+        task_state(cfg, scene, task, rng)
+    else:
+        if rng.random() < cfg.perturb:
+            perturb(scene, rng)
+        for _ in range(int(rng.integers(0, cfg.max_rollout + 1))):
+            act, _ = expert_action(scene, task)
             scene.step(act)
-    for _ in range(int(rng.integers(0, cfg.max_rollout + 1))):
-        act, _ = expert_action(scene, task)
-        scene.step(act)
     _, phase = expert_action(scene, task)
     mix = np.asarray(cfg.text_mix) / sum(cfg.text_mix)
     kind = TEXT_KINDS[rng.choice(len(TEXT_KINDS), p=mix)]
     turns: list[tuple[str, str]] = []
     if kind == "answer":
         for _ in range(cfg.turns):
-            qa = sample_question(scene, rng)
+            where = cfg.where_share > 0 and rng.random() < cfg.where_share
+            qa = sample_question(scene, rng, "where" if where else None)
             turns.append((f"\nQuestion: {qa.question}\nAnswer: ", qa.answer))
     elif kind == "plan":
         hops = [2 if rng.random() < cfg.two_hop_share else 1 for _ in range(cfg.turns)]
@@ -129,5 +148,38 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         actions=expert_chunk(scene, task, cfg.horizon),
         kind=kind,
         turns=tuple(turns),
-        patches=patch_labels(scene, cfg.image_size, cfg.patch),
+        patches=(patches := patch_labels(scene, cfg.image_size, cfg.patch)),
+        ground=ground_labels(patches, task),
+        phase=phase,
     )
+
+
+def perturb(scene: Scene, rng: np.random.Generator) -> None:
+    """1-3 random actions (recovery states)."""
+    for _ in range(int(rng.integers(1, 4))):
+        act = np.zeros(ACTION_DIM)
+        act[:4] = rng.uniform(-1, 1, size=4)
+        scene.step(act)
+
+
+def task_state(cfg: DataConfig, scene: Scene, task: PutTask, rng: np.random.Generator) -> None:
+    """Move `scene` to a state of the `task` rollout: the first state (cfg.first_share),
+    else from the start pose or a random high arm pose (cfg.arm_start_share), perhaps
+    perturbed, 0 .. n-1 expert steps where n steps reach the success."""
+    if rng.random() < cfg.first_share:
+        return
+    if rng.random() < cfg.arm_start_share:
+        x, y = rng.uniform(-1.0, 1.0, size=2)
+        scene.arm.x, scene.arm.y, scene.arm.z = float(x), float(y), float(rng.uniform(0, 1))
+    if rng.random() < cfg.perturb:
+        perturb(scene, rng)
+    n = steps_to_success(scene, task)
+    for _ in range(int(rng.integers(0, max(n, 1)))):
+        scene.step(expert_action(scene, task)[0])
+
+
+def ground_labels(patches: np.ndarray, task: PutTask) -> np.ndarray:
+    """Patch class ids (render.LABELS) -> GROUND ids: 1 the named movable, 2 the named
+    container, 0 anything else (names are unique in a scene)."""
+    movable, container = (label_of(*name.split(" ")) for name in (task.movable, task.container))
+    return np.where(patches == movable, 1, np.where(patches == container, 2, 0))

@@ -12,6 +12,21 @@ from embodied_kv.world.tasks import PutTask
 
 HIGH_Z = 1.0
 ON_TARGET = 0.04  # xy distance that counts as over a target
+# the expert's phases grouped as the task's stages (per-phase errors in train and eval)
+STAGES = {"moves": "approach", "lowers": "grasp", "grasps": "grasp", "carries": "carry",
+          "releases": "release", "done": "done"}  # fmt: skip
+MAX_EXPERT_STEPS = 100  # the expert succeeds within ~15-30 steps from any start
+
+
+def steps_to_success(scene: Scene, task: PutTask) -> int:
+    """Expert steps from `scene` until `task` succeeds (MAX_EXPERT_STEPS if it does not);
+    `scene` is not changed."""
+    sim = scene.copy()
+    for n in range(MAX_EXPERT_STEPS):
+        if task.success(sim):
+            return n
+        sim.step(expert_action(sim, task)[0])
+    return MAX_EXPERT_STEPS
 
 
 def expert_action(scene: Scene, task: PutTask) -> tuple[np.ndarray, str]:

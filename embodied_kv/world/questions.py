@@ -1,7 +1,9 @@
 """Questions about the scene with one-word answers: colour, relative position, count.
 
 Each kind draws its answer from a fixed candidate set, so chance accuracy is known
-(`CHANCE`): the floor that random weights should sit near."""
+(`CHANCE`): the floor that random weights should sit near. `eval world` asks the KINDS;
+training may also ask "where is the X ?" (-> left / middle / right, `ask_where`): it
+teaches name -> position, the step before "left of" (issue 34)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from embodied_kv.world.scene import Scene
 from embodied_kv.world.vocab import COLOURS, number_word
 
 KINDS = ("colour", "left", "count")
-CHANCE = {"colour": 1 / len(COLOURS), "left": 1 / 2, "count": 1 / 4}  # counts 0..3
+TRAIN_KINDS = (*KINDS, "where")  # kinds sample_question asks by name
+CHANCE = {"colour": 1 / len(COLOURS), "left": 1 / 2, "count": 1 / 4, "where": 1 / 3}
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,8 @@ def ask_colour(scene: Scene, rng: np.random.Generator) -> QA | None:
     return QA("colour", f"what colour is the {t.shape} ?", t.colour)
 
 
-LEFT_MARGIN = 0.15  # table units: a pair closer in x than this is not asked about (2.4 px
-# at 32 px; a person would not call one of two stacked objects "left of" the other either)
+LEFT_MARGIN = 0.15  # table units: a pair closer in x than this is not asked about (4.8 px
+# at 64 px; a person would not call one of two stacked objects "left of" the other either)
 
 
 def ask_left(scene: Scene, rng: np.random.Generator) -> QA | None:
@@ -49,6 +52,26 @@ def ask_left(scene: Scene, rng: np.random.Generator) -> QA | None:
     return QA("left", f"is the {ta.name} left of the {tb.name} ?", "yes" if ta.x < tb.x else "no")
 
 
+WHERE_EDGES = (-0.25, 0.25)  # x splitting the spawn range [-0.75, 0.75] into thirds
+WHERE_MARGIN = 0.1  # a thing this close to an edge (3.2 px at 64 px) is not asked about
+WHERE_WORDS = ("left", "middle", "right")
+
+
+def where_word(x: float) -> str:
+    """left / middle / right of table x (column: render.py's top camera)."""
+    return WHERE_WORDS[int(x >= WHERE_EDGES[0]) + int(x >= WHERE_EDGES[1])]
+
+
+def ask_where(scene: Scene, rng: np.random.Generator) -> QA | None:
+    """'where is the red ball ?' -> left / middle / right, for a thing at least
+    WHERE_MARGIN from both edges (None when none is)."""
+    clear = [t for t in scene.things if min(abs(t.x - e) for e in WHERE_EDGES) >= WHERE_MARGIN]
+    if not clear:
+        return None
+    t = clear[rng.integers(len(clear))]
+    return QA("where", f"where is the {t.name} ?", where_word(t.x))
+
+
 def ask_count(scene: Scene, rng: np.random.Generator) -> QA:
     """'how many red objects are there ?' -> zero .. three."""
     colour = COLOURS[rng.integers(len(COLOURS))]
@@ -57,10 +80,15 @@ def ask_count(scene: Scene, rng: np.random.Generator) -> QA:
 
 
 def sample_question(scene: Scene, rng: np.random.Generator, kind: str | None = None) -> QA:
-    """A question of `kind` (random when None) about `scene`."""
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"unknown question kind {kind!r}; known {KINDS}")
+    """A question of `kind` (one of KINDS at random when None) about `scene`."""
+    if kind is not None and kind not in TRAIN_KINDS:
+        raise ValueError(f"unknown question kind {kind!r}; known {TRAIN_KINDS}")
     kind = kind or KINDS[rng.integers(len(KINDS))]
+    if kind == "where":
+        qa = ask_where(scene, rng)
+        if qa is not None:
+            return qa
+        kind = "left"
     if kind == "colour":
         qa = ask_colour(scene, rng)
         if qa is not None:

@@ -20,6 +20,7 @@ from embodied_kv.world.vocab import COLOURS, CONTAINERS, MOVABLES
 
 STATE_DIM = 8
 ACTION_DIM = 8
+REAL_ACTION_DIMS = 4  # x, y, z, gripper: the action dims the world reads; 4..7 are always 0
 MAX_XY_STEP = 0.25  # table units the arm moves per action, per axis-norm
 MAX_Z_STEP = 0.5
 GRASP_RADIUS = 0.15  # xy distance within which a closing low gripper attaches a movable

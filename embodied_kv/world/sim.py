@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embodied_kv.world.expert import STAGES, expert_action
 from embodied_kv.world.render import CAMERAS, render
 from embodied_kv.world.scene import Scene, make_scene
 from embodied_kv.world.tasks import PutTask, sample_task
@@ -23,6 +24,9 @@ class EpisodeResult:
     instruction: str
     success: bool
     steps: int  # actions applied
+    # the task's stage where it ended (expert.STAGES of the expert's phase there): "done"
+    # on success; where a failed one was stuck (approach, grasp, carry, release)
+    stage: str = ""
 
 
 class WorldSim:
@@ -56,7 +60,9 @@ class WorldSim:
         success = self.task.success(self.scene)
         if not success and self.steps < self.max_steps:
             return False
-        self.results.append(EpisodeResult(self.index, self.instruction, success, self.steps))
+        stage = STAGES[expert_action(self.scene, self.task)[1]]
+        self.results.append(EpisodeResult(self.index, self.instruction, success, self.steps,
+                                          stage))  # fmt: skip
         self._begin_next()
         return True
 

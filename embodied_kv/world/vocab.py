@@ -18,13 +18,15 @@ WORDS = (
 )  # fmt: skip
 PUNCTUATION = (".", ",", ":", ";", "?")
 STATE_NUMBERS = tuple(str(i) for i in range(256))  # the prompt's discretised state bins
+# words added after weights shipped: appended after every earlier id, so those ids stay
+LATER_WORDS = ("middle",)
 
 
 def vocabulary() -> list[str]:
     """Every word, in a fixed order (the tokenizer's ids follow it), without repeats."""
     seen: dict[str, None] = {}
     for group in (FRAME_WORDS, WORDS, COLOURS, MOVABLES, CONTAINERS, PLACES, NUMBERS,
-                  PUNCTUATION, STATE_NUMBERS):  # fmt: skip
+                  PUNCTUATION, STATE_NUMBERS, LATER_WORDS):  # fmt: skip
         for w in group:
             seen.setdefault(w, None)
     return list(seen)

@@ -3,9 +3,11 @@ scripted expert in the same closed loop succeeds (the world and its success test
 
 import json
 
+import numpy as np
+
 from embodied_kv.cli import main
-from embodied_kv.eval.items import EvalConfig, closed_loop
-from embodied_kv.eval.world import run
+from embodied_kv.eval.items import STAGE_ORDER, EvalConfig, closed_loop, closed_loop_stages
+from embodied_kv.eval.world import print_stages, run
 
 
 def test_random_floor_near_chance_and_expert_ceiling():
@@ -70,3 +72,29 @@ def test_accuracies_take_an_engine_as_its_runner():
     cfg = EvalConfig(episodes=0, questions=3, memory=0)
     engine = make_engine(random_model(world_config()), cfg)
     assert question_accuracy(engine, cfg) == question_accuracy(EngineRunner(engine), cfg)
+
+
+class _Still:
+    """A runner whose chunks hold the arm where it is: never leaves the approach."""
+
+    def begin(self):
+        pass
+
+    def act(self, scene, instruction, cycle):
+        a = scene.arm
+        return np.array([[a.x, a.y, a.z, -1.0, 0, 0, 0, 0]] * 5)
+
+
+def test_closed_loop_reports_errors_by_stage_and_where_episodes_were_stuck(capsys):
+    cfg = EvalConfig(episodes=4)
+    expert = closed_loop_stages(None, cfg)
+    assert expert["success"] == 1.0 and not any(k.startswith("stuck_") for k in expert)
+    # a release is one step inside a chunk: a cycle rarely begins there
+    assert {"err_approach", "err_carry"} <= {k for k in expert if k.startswith("err_")}
+    assert all(expert.get(f"err_{s}", 0.0) == 0.0 for s in STAGE_ORDER)
+    still = closed_loop_stages(_Still(), cfg)
+    assert still["success"] == 0.0 and still["stuck_approach"] == 4
+    assert set(still) == {"success", "err_approach", "stuck_approach"}
+    assert still["err_approach"] > 0.3  # the targets lie away from the start pose
+    print_stages({"still": still})
+    assert "still: first-action xy error by stage: approach" in capsys.readouterr().out

@@ -48,3 +48,22 @@ def test_configured_cameras_map_to_world_cameras():
     assert camera_of("wrist", 0) == "top"
     with pytest.raises(ValueError, match="renders only"):
         camera_of("left", 2)
+
+
+def test_an_episode_records_the_stage_it_ended_at():
+    """Holding still from the start: stuck at the approach; the expert: done."""
+    sim = WorldSim(seed=7, max_steps=4)
+    for _ in range(4):
+        sim.apply(np.zeros(8) + [0.0, -0.9, 1.0, -1.0, 0, 0, 0, 0])
+    assert sim.results[0].success is False and sim.results[0].stage == "approach"
+    sim = WorldSim(seed=7, max_steps=8)  # the expert until it holds the movable, then waits
+    while sim.scene.arm.holding is None:
+        sim.apply(expert_action(sim.scene, sim.task)[0])
+    a = sim.scene.arm
+    while sim.steps:
+        sim.apply([a.x, a.y, a.z, 1.0])
+    assert sim.results[0].stage == "carry"
+    sim = WorldSim(seed=7)
+    while not sim.apply(expert_action(sim.scene, sim.task)[0]):
+        pass
+    assert sim.results[0].success and sim.results[0].stage == "done"

@@ -1,7 +1,9 @@
 """Questions, memory facts and narrations: answers checked by an independent reading of
 the scene / fact text, and every world text inside the closed vocabulary."""
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,10 +13,20 @@ from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.world.dataset import DataConfig, make_sample
 from embodied_kv.world.memory import names_place, sample_queries, sample_query
 from embodied_kv.world.narration import TEMPLATES, narrate
-from embodied_kv.world.questions import KINDS, LEFT_MARGIN, ask_left, sample_question
+from embodied_kv.world.questions import (
+    KINDS,
+    LEFT_MARGIN,
+    WHERE_EDGES,
+    WHERE_MARGIN,
+    ask_left,
+    ask_where,
+    sample_question,
+)
 from embodied_kv.world.scene import make_scene
 from embodied_kv.world.tasks import PutTask
 from embodied_kv.world.vocab import PLACES, vocabulary
+
+BEFORE_34 = Path(__file__).parent / "data" / "tokenizer_before_issue34.json"
 
 
 def test_question_answers_match_the_scene():
@@ -140,3 +152,33 @@ def test_hard_queries_defeat_the_recency_shortcut_and_zero_changes_nothing():
     assert shortcut_right <= 8  # of 160 queries: streams whose places are all one place
     with pytest.raises(ValueError, match="shares"):
         DataConfig(memory_hard=1.5)
+
+
+def test_where_questions_name_the_third_of_the_table_and_stay_clear_of_its_edges():
+    asked = set()
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        scene = make_scene(rng)
+        qa = ask_where(scene, rng)
+        if qa is None:
+            continue
+        m = re.match(r"where is the (\w+ \w+) \?", qa.question)
+        x = scene.get(m.group(1)).x
+        assert min(abs(x - e) for e in WHERE_EDGES) >= WHERE_MARGIN
+        assert qa.answer == ("left" if x < -0.25 else "right" if x > 0.25 else "middle")
+        asked.add(qa.answer)
+    assert asked == {"left", "middle", "right"}
+    assert sample_question(scene, rng, "where").kind in ("where", "left", "count")
+    with pytest.raises(ValueError, match="unknown question kind"):
+        sample_question(scene, rng, "size")
+
+
+def test_words_added_later_keep_every_earlier_id(tmp_path):
+    """'middle' (where-answers) comes after the state numbers: the ids the shipped weights
+    were trained on stay, and it fits below the `bins` action ids."""
+    tok = WordTokenizer(save_tokenizer(tmp_path / "tokenizer.json"))
+    ids = tok._tok.get_vocab()
+    assert ids["255"] == ids["middle"] - 1 and ids["middle"] == tok.vocab_size - 1
+    assert tok.vocab_size <= 384
+    before = json.loads(BEFORE_34.read_text())["model"]["vocab"]  # the tokenizer of 2026-11-26
+    assert len(before) == 321 and all(ids[w] == i for w, i in before.items())

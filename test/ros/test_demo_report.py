@@ -1,0 +1,25 @@
+"""The demo's report says per episode what the robot did: done, or the step limit and
+the task stage it was stuck at (world/sim.py records it)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from embodied_kv.ros.demo_report import Report
+from embodied_kv.world.expert import expert_action
+from embodied_kv.world.sim import WorldSim
+
+
+def test_report_lists_each_episode_done_or_where_it_was_stuck():
+    sim = WorldSim(seed=3, max_steps=30)
+    while not sim.apply(expert_action(sim.scene, sim.task)[0]):
+        pass  # episode 1: the expert finishes it
+    a = sim.scene.arm
+    for _ in range(30):  # episode 2: the arm holds still at the start pose
+        sim.apply(np.array([a.x, a.y, a.z, -1.0]))
+    lines = Report(target_hz=50.0, seconds=10.0, episodes=sim.results)._episodes()
+    assert lines[0].startswith("task success: 1 of 2 episodes (50%)")
+    assert lines[0].endswith("step limit at approach 1")
+    assert lines[1].startswith("  episode 1 ") and ": done after" in lines[1]
+    assert lines[2] == f"  episode 2 {sim.results[1].instruction!r}: step limit, stuck at " \
+                       "approach after 30 actions"
