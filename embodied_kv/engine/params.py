@@ -21,6 +21,7 @@ from embodied_kv.kv.memory import MemoryConfig
 from embodied_kv.kv.selectors import KeepConfig
 from embodied_kv.model.action_tokens import ActionTokenConfig
 from embodied_kv.model.robot_loader import RobotSpec
+from embodied_kv.model.rtc import RTCConfig
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,16 @@ MEMORY_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("memory.keep_hops", 3, "KEEP multi-hop rounds (0: the query's attention alone)"),
     ParamSpec("memory.keep_graphs", False, "KEEP's prefill replayed from CUDA graphs (GPU)"),
 )
-ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS + MEMORY_PARAMS
+# Real-time chunking (docs/rtc.md): each chunk guided towards the one still executing.
+RTC_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("rtc.enabled", False, "real-time chunking of the action expert's chunks (flow)"),
+    ParamSpec("rtc.max_guidance", 5.0, "beta: clip of the guidance weight (paper 5, LeRobot 10)"),
+    ParamSpec("rtc.execution_horizon", 0, "s: ticks a chunk runs before the next; 0 = replan"),
+    ParamSpec("rtc.schedule", "exp", "W between d and H - s: exp (paper) | linear | hard"),
+    ParamSpec("rtc.guidance", "vjp", "vjp (PiGDM, the paper) | error (LeRobot, no backward)"),
+    ParamSpec("rtc.delay", "measured", "d: measured (moving estimate) | ticks, an integer"),
+)
+ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS + MEMORY_PARAMS + RTC_PARAMS
 
 
 def engine_config(get: Callable[[str], Any]) -> EngineConfig:
@@ -171,6 +181,14 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
             hops=_int(get, "memory.keep_hops"),
         ),
         keep_graphs=_bool(get, "memory.keep_graphs"),
+        rtc=RTCConfig(
+            enabled=_bool(get, "rtc.enabled"),
+            max_guidance=_float(get, "rtc.max_guidance"),
+            execution_horizon=_int(get, "rtc.execution_horizon"),
+            schedule=_str(get, "rtc.schedule"),
+            guidance=_str(get, "rtc.guidance"),
+            delay=_delay(get),
+        ),
     )
 
 
@@ -210,6 +228,11 @@ def _max_len(get) -> int:
     if rows < 0:
         raise ValueError(f"parameter arena.max_len={rows} must be auto, 0 (auto) or > 0")
     return rows
+
+
+def _delay(get) -> int | str:
+    """'measured', or ticks as an integer."""
+    return "measured" if get("rtc.delay") == "measured" else _int(get, "rtc.delay")
 
 
 def _float(get, name: str) -> float:

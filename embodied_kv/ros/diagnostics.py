@@ -53,6 +53,7 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
     sections["language"] = _language(engine)
     if engine.action_tokens is not None:  # ar mode: invalid sequences became zeros
         sections["engine"][2].update(_ar(engine))
+    sections["engine"][2].update(_chunks(engine))
 
     arena = engine.manager.arena
     used = arena.in_use()
@@ -157,3 +158,22 @@ def _ar(engine) -> dict:
         "actions_invalid": flow.counters.invalid,
         "actions_capped": flow.counters.capped,
     }
+
+
+def _chunks(engine) -> dict:
+    """Chunk boundaries (engine/action_queue.py) and real-time chunking (docs/rtc.md)."""
+    sw = engine.queue.switches
+    out = {
+        "chunk_switches": sw.switches,
+        "boundary_jump_last": sw.last_jump,
+        "boundary_jump_max": sw.max_jump,
+        "inference_delay_ticks": -1 if sw.last_delay is None else sw.last_delay,
+        "rtc_enabled": engine.cfg.rtc.enabled,
+    }
+    rtc = getattr(engine.loop, "rtc", None)
+    if rtc is not None:
+        c = rtc.counters
+        out["rtc_applied"] = c.last_applied
+        out["rtc_guided_chunks"] = c.guided
+        out["rtc_delay_ticks"] = -1 if c.last_delay is None else c.last_delay
+    return out

@@ -154,3 +154,21 @@ def test_engine_config_refuses_rtc_with_action_tokens():
         EngineConfig(action_mode="ar", rtc=RTCConfig(enabled=True))
     cfg = EngineConfig(rtc=RTCConfig(enabled=True, guidance="error"))
     assert dataclasses.replace(cfg, rtc=RTCConfig()).rtc.enabled is False
+
+
+def test_rtc_parameters_make_the_engines_rtc_config():
+    from embodied_kv.config_file import default_config_path, load_params
+    from embodied_kv.engine.params import ENGINE_PARAMS, engine_config
+
+    defaults = {spec.name: spec.default for spec in ENGINE_PARAMS}
+    shipped = load_params(default_config_path()).for_node("kv_manager")
+    assert engine_config(lambda n: shipped.get(n, defaults[n])).rtc == RTCConfig()
+    values = defaults | {"rtc.enabled": True, "rtc.delay": 3, "rtc.guidance": "error",
+                         "rtc.max_guidance": 10, "rtc.schedule": "linear"}  # fmt: skip
+    rtc = engine_config(values.__getitem__).rtc
+    assert rtc == RTCConfig(True, 10.0, 0, "linear", "error", 3)
+    for name, bad, complaint in (("rtc.delay", "soon", "must be an integer"),
+                                 ("rtc.schedule", "cosine", "rtc.schedule"),
+                                 ("rtc.enabled", "yes", "true or false")):  # fmt: skip
+        with pytest.raises(ValueError, match=complaint):
+            engine_config((values | {name: bad}).__getitem__)
