@@ -13,7 +13,7 @@ RUN := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY)
 DEMO_SECONDS ?= 20
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint pytest setup clean distclean gpu-check
+.PHONY: demo test lint pytest setup clean distclean gpu-check gpu-check-mechanisms
 
 demo: $(STAMP)
 	$(RUN) -m embodied_kv.cli demo --seconds $(DEMO_SECONDS)
@@ -34,6 +34,10 @@ setup: $(STAMP)
 GPU_CHECK_ARGS ?=
 gpu-check:
 	scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# every seed's mechanism at pi05 on one GPU, < 8 min (docs/gpu_mechanisms.md)
+gpu-check-mechanisms:
+	scripts/gpu_check.sh --profile mechanisms $(GPU_CHECK_ARGS)
 
 $(STAMP): scripts/setup.sh requirements.lock requirements-nodeps.lock CMakeLists.txt package.xml $(wildcard msg/*.msg srv/*.srv action/*.action)
 	scripts/setup.sh

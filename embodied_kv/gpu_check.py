@@ -12,6 +12,13 @@ triton, Python, date, commit), pytest.txt, <bench>.json and <bench>.txt, summary
 
 Nothing is installed: a GPU machine keeps the torch it has (a pip-resolved torch would
 replace its CUDA build). A missing module is named with the pip command that adds it.
+
+`--profile mechanisms` (`make gpu-check-mechanisms`): instead, every seed's mechanism
+(oxygen, actionflow, vlcache, keep, capsule) at pi05 in a GPU-quick form with a time
+budget each, no test suite, < 8 minutes (bench/mechanisms.py); each JSON is checked for
+the fields the profile promises. `--dry`: the same benches at --preset tiny on the CPU
+(no CUDA needed), the check the CI runs so the GPU run cannot crash for a reason the CPU
+could have shown. docs/gpu_mechanisms.md.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from embodied_kv.bench import mechanisms
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = ("latency", "step", "oxygen", "capsule", "keep")
@@ -124,7 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-args", default="", help="extra benchmark arguments, e.g. --quick")
     p.add_argument("--only", default=",".join(BENCHES), help="benchmarks to run, comma-separated")
     p.add_argument("--timeout", type=float, default=0, help="seconds per step (0: none)")
+    p.add_argument("--profile", choices=["latency", "mechanisms"], default="latency",
+                   help="latency: tests + the latency benches (default); mechanisms: every "
+                   "seed's mechanism, GPU-quick, a budget each (bench/mechanisms.py)")
+    p.add_argument("--dry", action="store_true", help="mechanisms on the CPU at --preset "
+                   "tiny: shapes, graph capture in emulation, JSON fields (CI)")
     args = p.parse_args(argv)
+    if args.dry and args.profile != "mechanisms":
+        p.error("--dry runs the mechanisms profile: add --profile mechanisms")
+    if args.profile == "mechanisms":
+        return run_mechanisms(args)
 
     if not torch.cuda.is_available():
         print(
@@ -158,6 +176,71 @@ def main(argv: list[str] | None = None) -> int:
     failed = [k for k, (rc, _) in steps.items() if rc != 0]
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
     print(f"gpu-check: results in {out}; {verdict}")
+    return 1 if failed else 0
+
+
+def run_inline(cli_argv: list[str], log: Path) -> tuple[int, float]:
+    """`embodied-kv <cli_argv>` in this process, its output kept in `log` -> (status: 1 on
+    an exception, its traceback logged; seconds)."""
+    import contextlib
+    import traceback
+
+    from embodied_kv import cli
+
+    t = time.perf_counter()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            rc = cli.main(cli_argv) or 0
+        except SystemExit as e:  # argparse refused the arguments
+            rc = e.code if isinstance(e.code, int) else 2
+        except Exception:  # noqa: BLE001 - a bench's failure is the step's status
+            traceback.print_exc()
+            rc = 1
+    return rc, round(time.perf_counter() - t, 1)
+
+
+def run_mechanisms(args: argparse.Namespace) -> int:
+    """The mechanisms profile (or its dry twin): each bench within its budget, its JSON
+    checked; summary.json says per bench status, seconds, budget and what is missing."""
+    if not args.dry and not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA device visible to torch {torch.__version__} (CUDA build: "
+              f"{torch.version.cuda or 'none'}); --dry runs the profile on the CPU",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    env = environment("cpu" if args.dry else "cuda")
+    out = results_dir(args.out, env)
+    if args.dry:
+        out = out.with_name(out.name + "-dry")
+    write_json(out / "env.json", env)
+    only = set(args.only.split(",")) if args.only != ",".join(BENCHES) else None
+    benches = [b for b in mechanisms.PROFILE if only is None or b.name in only]
+    if only is not None and (unknown := only - {b.name for b in mechanisms.PROFILE}):
+        print(f"gpu-check: --only {sorted(unknown)}: the mechanisms profile runs "
+              f"{[b.name for b in mechanisms.PROFILE]}", file=sys.stderr)  # fmt: skip
+        return 2
+    steps = {}
+    for b in benches:
+        budget = args.timeout or (mechanisms.DRY_BUDGET_S if args.dry else b.budget_s)
+        cmd = mechanisms.command(b, sys.executable, out, args.dry) + args.bench_args.split()
+        if args.dry:  # in this process: the benches' imports once, not once each (~15 s)
+            rc, seconds = run_inline(cmd[3:], out / f"{b.name}.txt")
+        else:
+            rc, seconds = run_logged(cmd, out / f"{b.name}.txt", budget)
+        problem = mechanisms.check(b, out) if rc == 0 else None
+        steps[b.name] = {"returncode": rc, "seconds": seconds, "budget_s": budget,
+                         "command": " ".join(cmd[1:]), "fields_missing": problem,
+                         "hf_compiled": mechanisms.SKIPPED_HF}  # fmt: skip
+        if rc == 124:
+            print(f"gpu-check: bench {b.name} killed at its budget, {budget:.0f} s")
+    write_json(out / "summary.json", {"env": env, "profile": "mechanisms", "dry": args.dry,
+                                      "steps": steps})  # fmt: skip
+    failed = [k for k, s in steps.items() if s["returncode"] != 0 or s["fields_missing"]]
+    for k in failed:
+        s = steps[k]
+        print(f"gpu-check: {k}: status {s['returncode']}; {s['fields_missing'] or 'see its .txt'}")
+    verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
+    print(f"gpu-check: mechanisms{' (dry)' if args.dry else ''}: results in {out}; {verdict}")
     return 1 if failed else 0
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from embodied_kv import gpu_check
+from embodied_kv.bench import mechanisms
 from embodied_kv.gpu_check import environment, results_dir, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,3 +84,61 @@ def test_ros_tests_skip_with_their_reason_where_rclpy_is_missing(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not re.search(r"\d+ errors?\b", proc.stdout)  # no collection error
     assert proc.stdout.count("rclpy is not importable") >= 4
+
+
+def test_mechanisms_profile_dry_run_passes_on_the_cpu(tmp_path):
+    """`make gpu-check-mechanisms`'s benches, at --preset tiny on the CPU (graphs in
+    emulation): every bench runs and writes every field the GPU run promises."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "embodied_kv.cli", "gpu-check", "--profile", "mechanisms",
+         "--dry", "--out", str(tmp_path)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    assert out.name.endswith("-dry")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["profile"] == "mechanisms" and summary["dry"] is True
+    assert list(summary["steps"]) == [b.name for b in mechanisms.PROFILE]
+    for name, step in summary["steps"].items():
+        assert step["returncode"] == 0 and step["fields_missing"] is None, (name, step)
+        assert "--preset tiny --device cpu" in step["command"]
+        assert step["hf_compiled"].startswith("compiled HF baselines skipped")
+    keep = json.loads((out / "keep.json").read_text())
+    graphs = {r["method"]: r for r in keep["rows"]}["keep-graphs"]
+    assert graphs["captures"] >= 1 and graphs["host_work"]["prefill"]["graph_replays"] == 1
+
+
+def test_mechanisms_profile_fits_the_window_and_its_gpu_arguments_parse(monkeypatch):
+    """The GPU run's arguments are the ones the dry run exercised, at pi05 on CUDA, each
+    accepted by its bench's own parser (a typo would cost the GPU session a bench)."""
+    from embodied_kv import cli
+    from embodied_kv.bench import harness
+
+    assert mechanisms.GPU_BUDGET_S <= 8 * 60 - 60  # a minute for startup and env
+    parsed = {}
+
+    class Parsed(Exception):
+        pass
+
+    def parse_only(p, argv):
+        parsed[p.prog] = p.parse_args(list(argv))  # unknown arguments: SystemExit
+        raise Parsed
+
+    monkeypatch.setattr(harness, "parse", parse_only)
+    for b in mechanisms.PROFILE:
+        cmd = mechanisms.command(b, "python", Path("/results"), dry=False)
+        assert cmd[:6] == ["python", "-m", "embodied_kv.cli", "bench", b.name, "--preset"]
+        assert cmd[6:9] == ["pi05", "--device", "cuda"]
+        with pytest.raises(Parsed):
+            cli.main(cmd[3:])
+        args = parsed[f"embodied-kv bench {b.name}"]
+        assert args.preset == "pi05" and args.device == "cuda"
+    assert len(parsed) == len(mechanisms.PROFILE)
+
+
+def test_dry_needs_the_mechanisms_profile(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry"])
+    assert "--profile mechanisms" in capsys.readouterr().err

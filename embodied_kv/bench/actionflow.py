@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from embodied_kv.bench import harness
+from embodied_kv.bench import harness, host_work
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.ar_loop import ARLoop
@@ -55,8 +55,10 @@ def prefixes(model, n: int):
     return [model.embed_prefix(o) for o in obs]
 
 
-def run_scheduler(model, name: str, tok, frames, measured: int):
-    """One scheduler over warm-up + `measured` frames -> (steady-state figures, ids)."""
+def run_scheduler(model, name: str, tok, frames, measured: int, work: dict | None = None):
+    """One scheduler over warm-up + `measured` frames -> (steady-state figures, ids).
+    `work`: count the steady state's host work (bench/host_work.py) into work[name], per
+    action (the figures' timings then include the counter's own cost: report, not time)."""
     k = tok.max_tokens
     warmup = 1 if name == "sequential" else k  # a pipe is full after K frames
     frames = frames[: warmup + measured]
@@ -65,12 +67,19 @@ def run_scheduler(model, name: str, tok, frames, measured: int):
     sched = SCHEDULERS[name](model, arena, tok)
     clock = device_clock(model.device)
     done, t0, n0 = [], None, 0
+    hw = host_work.HostWork(host_work.model_seed(model, arena), host_work.arena_host(arena))
     for f, p in enumerate(frames):
         if f == warmup:
             t0, n0 = clock(), len(done)
-        done += sched.cycle(p, f, f).done
+        if work is not None and f >= warmup:
+            with hw, hw.region(name):
+                done += sched.cycle(p, f, f).done
+        else:
+            done += sched.cycle(p, f, f).done
     wall = clock() - t0
     counted = done[n0:]
+    if work is not None:
+        work[name] = hw.counts[name].per(max(1, len(counted)))
     done += sched.drain()
     sched.close()
     lat = np.array([d.latency_s for d in counted])
@@ -109,6 +118,9 @@ def compare(model, tok, frames, measured: int, repeats: int, label: dict) -> dic
     # ms per action, per round: the harness pairs them round by round
     per_action = {name: [1e3 / row["actions_per_s"] for row, _ in runs[name]] for name in NAMES}
     ids = [i for name in NAMES for _, i in runs[name]]
+    work: dict = {}
+    for name in NAMES:  # one more run of each, counted: per action
+        run_scheduler(model, name, tok, frames, measured, work)
     seq, flow = out["sequential"], out["actionflow"]
     common = sorted(set.intersection(*(set(i) for i in ids)))  # frames every run finished
     return {
@@ -119,6 +131,7 @@ def compare(model, tok, frames, measured: int, repeats: int, label: dict) -> dic
         "fps_vs_sequential": harness.ratio(per_action["sequential"], per_action["actionflow"]),
         "fps_vs_naive": harness.ratio(per_action["naive_pipe"], per_action["actionflow"]),
         "latency_vs_sequential": flow["latency_ms"] / seq["latency_ms"],
+        "host_work_per_action": work,
         "exact": len(common) > measured
         and all([i[f] for f in common] == [ids[0][f] for f in common] for i in ids),
         **out,
@@ -185,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_common_args(p)
     p.add_argument("--smoke", action="store_true", help="K=7 and one FAST cap (tests)")
     p.add_argument("--repeats", type=int, default=0, help="rounds (0: 3 with --quick, else 5)")
+    p.add_argument("--ks", default="", help="bin K values, comma-separated (of 7,16,24,32)")
+    p.add_argument("--fast-caps", default=None, help="FAST caps, comma-separated ('': none)")
+    p.add_argument("--text-lengths", default="", help="prompt text tokens, comma-separated")
     a = harness.parse(p, argv)
     env = harness.Environment.start(a, argv)
     ks = (7, 16, 32) if a.quick else (7, 16, 24, 32)
@@ -194,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     repeats = a.repeats or (3 if a.quick else 5)
     if a.smoke:
         ks, fast_caps, measured, repeats = (7,), (12,), 3, 1
+    ks = tuple(int(k) for k in a.ks.split(",")) if a.ks else ks
+    if a.fast_caps is not None:
+        fast_caps = tuple(int(c) for c in a.fast_caps.split(",") if c)
+    text_lengths = tuple(int(t) for t in a.text_lengths.split(",")) if a.text_lengths else (
+        text_lengths)  # fmt: skip
+    if bad := [k for k in ks if k not in BIN_SHAPES]:
+        p.error(f"--ks {bad}: use of {sorted(BIN_SHAPES)}")
 
     rows = []
     for text in text_lengths:

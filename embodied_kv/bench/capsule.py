@@ -31,7 +31,7 @@ import tempfile
 import torch
 from transformers import DynamicCache
 
-from embodied_kv.bench import harness
+from embodied_kv.bench import harness, host_work
 from embodied_kv.bench.report import print_table
 from embodied_kv.kv.capsule import capture, identity_of, restore
 from embodied_kv.kv.capsule_store import CapsuleStore, StoreConfig
@@ -148,6 +148,11 @@ def measure(model, hf, length: int, repeats: int, disk_dir: str) -> dict:
         row[f"{k}_ms"] = harness.Stats.of(v).median
         row[f"{k}_stats"] = harness.Stats.of(v).as_dict()
     row["speedup"] = harness.ratio(t["cold"], t["restore"])  # ours cold / restore
+    seed = [*host_work.model_seed(model, arena), resident.k, resident.v]
+    host = host_work.arena_host(arena) + host_work.arena_host(resident)
+    row["host_work"] = {k: host_work.count(fn, seed, host)  # one call: restore + a decode step
+                        for k, fn in (("cold", cold), ("restore", restored),
+                                      ("resident", forked))}  # fmt: skip
     row["speedup_vs_hf_sdpa"] = harness.ratio(t["cold_hf_sdpa"], t["restore"])
     row["resident_vs_restore"] = harness.ratio(t["resident"], t["restore"])  # < 1: resident wins
 

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from embodied_kv.bench import harness
+from embodied_kv.bench.host_work import Count, HostWork, arena_host, model_seed
 from embodied_kv.bench.keep_stream import Stream, sentence
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import GraphRunner, default_mode
@@ -225,10 +226,45 @@ def run_segments(model, n: int, args, device: str) -> dict:
             row["same_answer"].append(said == reference_answer)
             if stats is not None:
                 row["active"].append(stats.active)
+    work = host_work_plan(model, arena, frame, family, stream, (grouped, chunks), n, compute)
     failed = [f"{m.name}: {m.failed}" for m in family if getattr(m, "failed", None)]
-    return {"methods": out, "refresh": refresh, "failed": failed, "static_groups": sum(
+    return {"methods": out, "refresh": refresh, "failed": failed, "host_work": work,
+            "static_groups": sum(
         u.key.startswith("group:") for u in grouped.units()), "groups": len(grouped.groups),
         "counters": vars(grouped.counters)}  # fmt: skip
+
+
+def host_work_plan(model, arena, frame: int, family: list, stream: Stream, mems: tuple,
+                   n: int, compute) -> dict:  # fmt: skip
+    """One more plan request, untimed, under the host-work counter (bench/host_work.py):
+    per method, what its plan costs the host: the memory's refresh after the updates
+    (`refresh`: the blocks they invalidated computed), then the prefill and the first
+    token read (`prefill`), as the engine's plan admission runs them."""
+    grouped, chunks = mems
+    for _ in range(2):
+        update(stream, grouped, chunks, n)
+    hw = HostWork(model_seed(model, arena), arena_host(arena))
+    with hw:
+        for name, mem in (("grouped", grouped), ("chunks", chunks)):
+            with hw.region(f"refresh/{name}"):
+                mem.refresh(compute)
+        texts = [t for u in grouped.units() for t in u.texts]
+        query, _ = stream.query(2, texts)
+        lays = {True: layout(model, grouped.units(), grouped.blocks, query),
+                False: layout(model, chunks.units(), chunks.blocks, query)}  # fmt: skip
+        for m in family:
+            lay = lays[m.grouped] if m.cached else lays[True]
+            slot = arena.allocate()
+            arena.copy_slot(frame, slot)
+            with hw.region(m.name):
+                int(m.prefill(model, arena, slot, lay, frame).argmax())
+            arena.release(slot)
+    out = {}
+    for m in family:
+        blocks = "grouped" if m.name.startswith("keep") and m.name != "keep-no-static" else "chunks"
+        refresh = hw.counts[f"refresh/{blocks}"] if m.cached else Count()
+        out[m.name] = {"prefill": hw.counts[m.name].as_dict(), "refresh": refresh.as_dict()}
+    return out
 
 
 def timed_prefill(m, model, arena, frame: int, lay, clock) -> tuple:
@@ -283,6 +319,7 @@ def summarise(n: int, raw: dict) -> list[dict]:
             "active_per_layer": active,
             "captures": len(s["capture"]),  # graph rows: requests that captured
             "capture_ms": statistics.median(s["capture"]) if s["capture"] else 0.0,
+            "host_work": raw["host_work"][name],  # per plan: {"prefill": .., "refresh": ..}
         })  # fmt: skip
     return rows
 

@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from embodied_kv.bench import harness
+from embodied_kv.bench import harness, host_work
 from embodied_kv.bench.oxygen_modes import MODES, make_runner
 from embodied_kv.bench.oxygen_procs import ConcurrentTasks, observations
 from embodied_kv.bench.report import print_table
@@ -149,6 +149,25 @@ def measure(model, tokens, inflight, frames, warmup, repeats, procs) -> dict:
     return out
 
 
+def cycle_host_work(model, tokens: int, inflight: int) -> dict:
+    """Per single-process mode: the host work of one cycle in steady state (after as many
+    cycles as a request is in flight), counted at the dispatcher (bench/host_work.py)."""
+    c = model.cfg
+    cfg = LoopConfig(period_s=1e9, narrate_every=1, narration_tokens=tokens,
+                     max_decode_steps=math.ceil(tokens / inflight))  # fmt: skip
+    warm = math.ceil(tokens / math.ceil(tokens / inflight)) + 1
+    obs = observations(c, warm + 1)
+    out = {}
+    for m in MODES:
+        runner = make_runner(m, model, cfg, inflight, max_len_for(c, tokens))
+        for f in range(warm):
+            runner.cycle(obs[f], f, tick=f)
+        seed = host_work.model_seed(model, runner.manager.arena)
+        host = host_work.arena_host(runner.manager.arena)
+        out[m] = host_work.count(lambda r=runner: r.cycle(obs[warm], warm, tick=warm), seed, host)
+    return out
+
+
 def plot(rows, path: str) -> None:
     import matplotlib
 
@@ -178,6 +197,8 @@ def parse(argv):
         "--no-concurrent", action="store_true", help="leave out the two-process baseline"
     )
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tests: one row
+    p.add_argument("--repeats", type=int, default=0, help="rounds (0: 4 with --quick, else 5)")
+    p.add_argument("--frames", type=int, default=0, help="frames a round (0: 8 quick, else 16)")
     return harness.parse(p, argv)
 
 
@@ -189,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = ((64,) if a.preset == "pi05" else (16, 64)) if a.quick else (16, 64, 256)
     inflight = (4,) if a.quick else (1, 4, 8)
     frames, warmup, repeats = (8, 2, 4) if a.quick else (16, 3, 5)
+    frames, repeats = a.frames or frames, a.repeats or repeats
     if a.smoke:
         lengths, inflight, frames, warmup, repeats = (8,), (2,), 5, 1, 1
     harness.progress(env, "model built")
@@ -209,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         if procs is not None:
             procs.stop()
     head = max(rows, key=lambda r: (r["tokens"], r["inflight"]))
+    with torch.no_grad():
+        work = cycle_host_work(model, head["tokens"], head["inflight"])
     ratios = {
         f"{r['tokens']}x{r['inflight']}/{m}": r[m]["speedup_vs_isolated"]
         for r in rows
@@ -226,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": ratios,
         "exact": all(r["exact"] for r in rows),
         "rows": rows,
+        "host_work_per_cycle": work,  # bench/host_work.py: one steady-state cycle per mode
     }
     result = harness.finish(result, env, a.json)
     table = []

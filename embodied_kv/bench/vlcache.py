@@ -62,6 +62,12 @@ def parse(argv):
     p.add_argument("--vision-layers", type=int, default=2, help="pi05: SigLIP depth")
     p.add_argument("--batch", type=int, default=4, help="language requests per decode step")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (9; quick 5)")
+    p.add_argument("--batches", default="", help="speed at each of these batches (comma-"
+                   "separated; default: --batch alone)")
+    p.add_argument("--speed-budgets", default="", help="speed budgets, comma-separated "
+                   "(default: 0.1 with --quick, else every budget)")
+    p.add_argument("--speed-only", action="store_true", help="the speed section alone (no "
+                   "fidelity, no QA: gpu-check's mechanisms profile)")  # fmt: skip
     args = harness.parse(p, argv)
     args.questions = args.questions if args.questions is not None else (12 if args.quick else 1000)
     args.scenes = args.scenes if args.scenes is not None else (3 if args.quick else 12)
@@ -133,21 +139,38 @@ def main(argv: list[str] | None = None) -> int:
     env = harness.Environment.start(args, argv)
     budgets = list(QUICK_BUDGETS if args.quick else BUDGETS)
     speed_budgets = [0.1] if args.quick else budgets
+    if args.speed_budgets:
+        speed_budgets = [float(b) for b in args.speed_budgets.split(",")]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     with tempfile.TemporaryDirectory() as tmp:
         world = long_world(args, tmp)
         model, prefix = speed_model(args, world)
-        speed = vlcache_speed.measure(model, prefix, speed_budgets, args.batch, args.repeats)
-        trained = load_trained(args.weights, args.tokenizer or None) if args.weights else None
+        speeds = []
+        for batch in batches:
+            speeds.append(vlcache_speed.measure(model, prefix, speed_budgets, batch,
+                                                args.repeats))  # fmt: skip
+            harness.progress(env, f"speed at batch {batch} measured")
+        speed = speeds[0]
+        trained = None
+        if args.weights and not args.speed_only:
+            trained = load_trained(args.weights, args.tokenizer or None)
         fid_model = trained or world
-        prompts = vlcache_fidelity.world_prompts(fid_model, args.scenes)
-        fidelity = vlcache_fidelity.measure(fid_model, prompts, list(METHODS), budgets)
+        prompts, fidelity = [], {}
+        if not args.speed_only:
+            prompts = vlcache_fidelity.world_prompts(fid_model, args.scenes)
+            fidelity = vlcache_fidelity.measure(fid_model, prompts, list(METHODS), budgets)
     outcomes = qa_rows(trained, METHODS, budgets, args.questions) if trained is not None else {}
     qa_kinds = {k: accuracy_of(v) for k, v in outcomes.items()}
     qa = {k: v["qa"] for k, v in qa_kinds.items()}
 
     pre = speed["prefill"]
+    for other in speeds[1:]:
+        print_table(["batch", "budget", "step ms", "full ms", "step x", "attn x"],
+                    [[other["batch"], r["budget"], r["decode_step_ms"],
+                      r["decode_step_full_ms"], r["decode_speedup"], r["attention_speedup"]]
+                     for r in other["rows"]])  # fmt: skip
     print(f"speed ({env.device_name}, {args.preset}, prefix {speed['prefix_rows']} rows of which "
-          f"{speed['image_rows']} image, batch {args.batch}): the recorder adds "
+          f"{speed['image_rows']} image, batch {speed['batch']}): the recorder adds "
           f"{pre['overhead'] * 100:+.1f}% to a {pre['prefill_ms']:.1f} ms prefill (the action's "
           f"path; goal <= 5%), statistics and selection after the expert "
           f"{pre['overhead_total'] * 100:+.1f}% in all")  # fmt: skip
@@ -160,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
          for r in speed["rows"]],
     )  # fmt: skip
     which = f"trained weights {args.weights}" if trained else "random weights, long world"
-    print(f"\nfidelity vs the full cache ({which}, {len(prompts)} scenes, prefix "
-          f"{prompts[0].prefix.embeds.shape[0]} rows)")
+    rows = prompts[0].prefix.embeds.shape[0] if prompts else 0
+    print(f"\nfidelity vs the full cache ({which}, {len(prompts)} scenes, prefix {rows} rows)")
     print_table(
         ["method@budget", "top1", "greedy32 exact", "greedy32 prefix", "hit rate",
          "chunk err", "QA"],
@@ -171,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "vlcache", "preset": args.preset, "quick": args.quick,
         "weights": args.weights or None, "budgets": budgets, "speed": speed,
+        "speed_batches": speeds,
         "fidelity": fidelity, "qa": qa, "qa_kinds": qa_kinds,
     }  # fmt: skip
     if qa:

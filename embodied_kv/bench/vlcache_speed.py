@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from embodied_kv.bench import harness
+from embodied_kv.bench import harness, host_work
 from embodied_kv.kernels.packed_attention import packed_attention
 from embodied_kv.kv.compress import CompressConfig, Compressor, PrefixLayout, compact
 from embodied_kv.storage.step import Segment, plan_step
@@ -99,6 +99,8 @@ def measure(model, prefix, budgets: list[float], batch: int, repeats: int) -> di
         kept[b] = (kv_bytes(arena, slots[:1]), arena.length[:, slots[0]].tolist())
     times = harness.interleave({k: harness.looped(f, INNER) for k, f in fns.items()}, dev,
                                warmup=1, repeats=repeats)  # fmt: skip
+    seed, host = host_work.model_seed(model, arena), host_work.arena_host(arena)
+    work = {k: host_work.count(f, seed, host) for k, f in fns.items() if k.endswith("/step")}
     rows = []
     for b in budgets:
         rows.append({
@@ -111,6 +113,8 @@ def measure(model, prefix, budgets: list[float], batch: int, repeats: int) -> di
             "decode_speedup": harness.ratio(times["full/step"], times[f"{b:g}/step"]),
             "attention_speedup": harness.ratio(times["full/attn"], times[f"{b:g}/attn"]),
             "expert_speedup": harness.ratio(times["full/expert"], times[f"{b:g}/expert"]),
+            "host_work_per_step": work[f"{b:g}/step"],  # bench/host_work.py, one decode step
+            "host_work_per_step_full": work["full/step"],
         })  # fmt: skip
     return {"batch": batch, "prefix_rows": n, "image_rows": prefix.n_image, "rows": rows,
             "prefill": prefill_overhead(model, prefix, repeats)}  # fmt: skip
