@@ -22,7 +22,14 @@ Metrics, over the arm's position targets (x, y, z; the gripper's open / close is
 2 by design), robot units:
 success (the task done within the tick budget), the jump |a_t - a_{t-1}| (L2) at each
 switch (the first tick executed from a newly landed chunk): max and p95, and jerk: the mean
-L2 norm of the third difference of the executed actions (units / tick^3).
+L2 norm of the third difference of the executed actions (units / tick^3). `lead_gap`: per
+chunk, the largest L2 gap between its first d actions (stale when it lands: RTC freezes them,
+W = 1) and the previous chunk's for the same ticks, averaged; it shows what the guidance does
+where it is strongest. `switch_gap`: at the switch, the action executed against the one the
+old chunk had for that tick (mean L2): the discontinuity chunking adds, apart from the
+policy's own steps (the world's expert commands bang-bang targets: z jumps +1 <-> -1 between
+phases, so |a_t - a_{t-1}| at a switch also counts steps the policy takes anyway; `step_p95`
+is the p95 of |a_t - a_{t-1}| at every other tick, for scale).
 
 Latency: ActionExpert.sample against the guided loop (error, vjp) at pi05 widths (expert
 width 1024, MLP 4096, 8 heads of 256, 1 KV head, H 50 x 32, 10 steps) over a prefix of 3
@@ -68,6 +75,9 @@ PI05_PREFIX = 3 * 256 + 48  # 3 cameras + the published 48-token prompt
 class Trace:
     actions: list[np.ndarray] = field(default_factory=list)
     jumps: list[float] = field(default_factory=list)  # at switches
+    lead_gaps: list[float] = field(default_factory=list)  # per chunk: the d stale actions
+    switch_gaps: list[float] = field(default_factory=list)  # new vs old chunk at the switch
+    steps: list[float] = field(default_factory=list)  # |a_t - a_{t-1}| at every other tick
     success: bool = False
 
 
@@ -139,12 +149,19 @@ def run_episode(engine: Engine, ex: Executor, index: int, delay: int) -> Trace:
     period = max(REPLAN, delay)
     trace, tick, first = Trace(), 0, True
     switch_tick = None  # the first tick executed from the newest chunk (at d = p: next cycle's)
+    prev, prev_start = np.zeros((0, MOTION_DIMS)), 0  # the last chunk that landed
+    old_chunk, old_start = prev, 0  # the one before it
 
     def execute(k: int) -> bool:
         nonlocal switch_tick
         a = np.asarray(ex.action(k), np.float64)
-        if k == switch_tick and trace.actions:
-            trace.jumps.append(float(np.linalg.norm(a[:MOTION_DIMS] - trace.actions[-1])))
+        if trace.actions:
+            step = float(np.linalg.norm(a[:MOTION_DIMS] - trace.actions[-1]))
+            (trace.jumps if k == switch_tick else trace.steps).append(step)
+        if k == switch_tick:  # what is executed against what the old chunk had for this tick
+            if len(old_chunk) > k - old_start:
+                old_a = old_chunk[k - old_start, :MOTION_DIMS]
+                trace.switch_gaps.append(float(np.linalg.norm(a[:MOTION_DIMS] - old_a)))
             switch_tick = None
         trace.actions.append(a[:MOTION_DIMS].copy())
         scene.step(a)
@@ -164,6 +181,13 @@ def run_episode(engine: Engine, ex: Executor, index: int, delay: int) -> Trace:
         ex.landed(result.chunk, t0)
         if not first:
             switch_tick = t0 + lag
+            lead = min(lag, len(prev) - (t0 - prev_start))  # stale actions both chunks hold
+            if lead > 0:
+                old = prev[t0 - prev_start : t0 - prev_start + lead, :MOTION_DIMS]
+                gaps = np.linalg.norm(result.chunk[:lead, :MOTION_DIMS] - old, axis=1)
+                trace.lead_gaps.append(float(gaps.max()))
+        old_chunk, old_start = prev, prev_start
+        prev, prev_start = np.asarray(result.chunk, np.float64), t0
         for k in range(t0 + lag, min(t0 + period, TICKS)):
             if execute(k):
                 trace.success = True
@@ -174,6 +198,9 @@ def run_episode(engine: Engine, ex: Executor, index: int, delay: int) -> Trace:
 
 def summarise(traces: list[Trace]) -> dict:
     jumps = sorted(j for t in traces for j in t.jumps)
+    gaps = [g for t in traces for g in t.lead_gaps]
+    sgaps = [g for t in traces for g in t.switch_gaps]
+    steps = sorted(x for t in traces for x in t.steps)
     jerks = []
     for t in traces:
         a = np.array(t.actions)
@@ -182,9 +209,13 @@ def summarise(traces: list[Trace]) -> dict:
     return {
         "success": float(np.mean([t.success for t in traces])),
         "switches": len(jumps),
+        "jump_mean": float(np.mean(jumps)) if jumps else float("nan"),
         "jump_max": max(jumps) if jumps else float("nan"),
         "jump_p95": harness.quantile(jumps, 0.95) if jumps else float("nan"),
         "jerk_mean": float(np.mean(jerks)) if jerks else float("nan"),
+        "lead_gap": float(np.mean(gaps)) if gaps else float("nan"),
+        "switch_gap": float(np.mean(sgaps)) if sgaps else float("nan"),
+        "step_p95": harness.quantile(steps, 0.95) if steps else float("nan"),
         "ticks": int(sum(len(t.actions) for t in traces)),
     }
 
@@ -265,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     harness.progress(env, "latency done")
     print(f"bench rtc: world preset, shipped weights, {episodes} episodes per row, "
           f"{TICKS} ticks each; cycle every max({REPLAN}, d) ticks")  # fmt: skip
-    keys = ["success", "switches", "jump_max", "jump_p95", "jerk_mean"]
+    keys = ["success", "switches", "jump_mean", "jump_max", "jump_p95", "step_p95", "jerk_mean",
+            "lead_gap", "switch_gap"]  # fmt: skip
     naive = {r["delay"]: r for r in rows if r["method"] == "naive"}
     table = []
     for r in rows:
