@@ -108,10 +108,14 @@ def closed_loop_stages(runner, cfg: EvalConfig) -> dict:
 STAGE_ORDER = ("approach", "grasp", "carry", "release")
 
 
-def question_item(cfg: EvalConfig, i: int) -> tuple[Scene, PutTask, questions.QA]:
+def question_item(
+    cfg: EvalConfig, i: int, kind: str | None = None
+) -> tuple[Scene, PutTask, questions.QA]:
+    """Scene question i: of the KINDS in turn, or of `kind` (e.g. "where", kept out of
+    the QA figure) on the same scenes."""
     scene, task = episode(cfg.seed + 10**6 + i)
     rng = np.random.default_rng(cfg.seed + 2 * 10**6 + i)
-    kind = questions.KINDS[i % len(questions.KINDS)]
+    kind = kind or questions.KINDS[i % len(questions.KINDS)]
     return scene, task, questions.sample_question(scene, rng, kind)
 
 

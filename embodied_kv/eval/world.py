@@ -75,6 +75,18 @@ def question_results(runner, cfg: EvalConfig) -> list[tuple[str, bool]]:
     return out
 
 
+def where_accuracy(runner, cfg: EvalConfig) -> float:
+    """Accuracy of "where is the X ?" (left / middle / right, chance 1/3) over a third of
+    cfg.questions' scenes: name -> position, taught in training, not part of `qa`."""
+    runner = as_runner(runner)
+    right = []
+    for i in range(cfg.questions // len(questions.KINDS)):
+        scene, task, qa = question_item(cfg, i, "where")
+        got = answer(runner, scene, task.instruction, qa.question, TaskKind.ANSWER)
+        right.append(got == qa.answer)
+    return float(np.mean(right)) if right else float("nan")
+
+
 def question_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
     """Accuracy over cfg.questions scene questions, overall and per kind; `runner` may be
     an Engine."""
@@ -108,6 +120,7 @@ def evaluate(model, cfg: EvalConfig) -> dict:
     t = time.perf_counter()
     row: dict = closed_loop_stages(runner, cfg)
     row |= question_accuracy(runner, cfg)
+    row["where"] = where_accuracy(runner, cfg)
     row |= memory_accuracy(runner, cfg)
     row["seconds"] = time.perf_counter() - t
     if engine.action_tokens is not None:  # ar: chunks whose ids did not decode (zeros)
@@ -123,9 +136,10 @@ def chance() -> dict[str, float]:
     qa = [questions.CHANCE[k] for k in questions.KINDS]
     return {
         "qa": float(np.mean(qa)),
-        **{f"qa_{k}": v for k, v in questions.CHANCE.items()},
+        **{f"qa_{k}": questions.CHANCE[k] for k in questions.KINDS},
         "one_hop": memory.CHANCE["one_hop"],
         "two_hop": memory.CHANCE["two_hop"],
+        "where": questions.CHANCE["where"],
     }
 
 
@@ -195,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = default_weights() if a.weights is None else a.weights
     result = run(weights, a.tokenizer, cfg, oracle=not a.no_oracle)
     print(f"eval world: {cfg.action_mode} actions; weights {weights or 'none (random only)'}")
-    keys = ["success", "qa", *[f"qa_{k}" for k in questions.KINDS], "one_hop", "two_hop"]
+    keys = ["success", "qa", *[f"qa_{k}" for k in questions.KINDS], "one_hop", "two_hop",
+            "where"]  # fmt: skip
     table = [["chance", "-", *[result["chance"].get(k, float("nan")) for k in keys[1:]]]]
     for name, row in result["rows"].items():
         table.append([name, *[row.get(k, float("nan")) for k in keys]])

@@ -2,12 +2,14 @@
 scripted expert in the same closed loop succeeds (the world and its success test agree)."""
 
 import json
+import re
 
 import numpy as np
 
 from embodied_kv.cli import main
 from embodied_kv.eval.items import STAGE_ORDER, EvalConfig, closed_loop, closed_loop_stages
-from embodied_kv.eval.world import print_stages, run
+from embodied_kv.eval.world import print_stages, run, where_accuracy
+from embodied_kv.world.questions import where_word
 
 
 def test_random_floor_near_chance_and_expert_ceiling():
@@ -98,3 +100,27 @@ def test_closed_loop_reports_errors_by_stage_and_where_episodes_were_stuck(capsy
     assert still["err_approach"] > 0.3  # the targets lie away from the start pose
     print_stages({"still": still})
     assert "still: first-action xy error by stage: approach" in capsys.readouterr().out
+
+
+class _Reader:
+    """Answers "where is the X ?" from the scene itself (or always `fixed`)."""
+
+    def __init__(self, fixed: str = ""):
+        self.fixed, self.answers = fixed, []
+
+    def begin(self):
+        pass
+
+    def submit(self, scene, instruction, text, kind):
+        m = re.match(r"where is the (\w+ \w+) \?", text)
+        self.answers.append(self.fixed or (where_word(scene.get(m.group(1)).x) if m else ""))
+        return str(len(self.answers) - 1)
+
+    def finish(self, request_id):
+        return self.answers[int(request_id)]
+
+
+def test_where_questions_are_scored_beside_qa():
+    cfg = EvalConfig(questions=30)
+    assert where_accuracy(_Reader(), cfg) >= 0.9  # a few scenes fall back to a left-of
+    assert where_accuracy(_Reader("middle"), cfg) < 0.7  # the answers are not all one word
