@@ -38,12 +38,15 @@ class PolicyServer:
         self._metadata = wire.pack(policy.metadata())
         self.connections = 0
 
-    async def run(self, ready: Callable[[int], None] = lambda port: None) -> None:
-        """Serve until SIGINT / SIGTERM; `ready(port)` once listening (port 0: any)."""
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    async def run(
+        self, ready: Callable[[int], None] = lambda port: None, stop: asyncio.Event | None = None
+    ) -> None:
+        """Serve until `stop` is set, or without one until SIGINT / SIGTERM (main thread
+        only); `ready(port)` once listening (port 0: any)."""
+        if stop is None:
+            stop = asyncio.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
             async with serve(self._handler, self.cfg.host, self.cfg.port, compression=None,
                              max_size=self.cfg.max_frame_bytes,
