@@ -54,11 +54,11 @@ def parse(argv) -> argparse.Namespace:
                    help="tiny (random weights, fast) or world (the shipped weights)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="< 60 s on a 2-core CPU")
     p.add_argument("--json", metavar="PATH", help="write the result (and its environment) here")
-    p.add_argument("--rounds", type=int, help="overhead rounds (default 5; quick 4)")
+    p.add_argument("--rounds", type=int, help="overhead rounds (default 5; quick 3)")
     p.add_argument("--requests", type=int, help="requests per design a round (20; quick 12)")
-    p.add_argument("--seconds", type=float, help="per throughput row (5; quick 2.5)")
+    p.add_argument("--seconds", type=float, help="per throughput row (5; quick 1.5)")
     args = p.parse_args(argv)
-    quick = (4, 12, 2.5) if args.quick else (5, 20, 5.0)
+    quick = (3, 12, 1.5) if args.quick else (5, 20, 5.0)
     args.rounds = args.rounds or quick[0]
     args.requests = args.requests or quick[1]
     args.seconds = args.seconds or quick[2]
@@ -126,7 +126,7 @@ def throughput(pool, servers: dict, msg: dict, seconds: float) -> list[dict]:
             ports = ports_for(n)
             if ports is None:
                 continue
-            start_at = time.time() + 1.0 + 0.2 * n  # every client connected and warm first
+            start_at = time.time() + 0.5 + 0.15 * n  # every client connected and warm first
             futures = [pool.submit(serve_clients.for_seconds, port, msg, start_at, seconds)
                        for port in ports]  # fmt: skip
             chunks = sum(f.result() for f in futures)

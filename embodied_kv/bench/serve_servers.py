@@ -45,8 +45,11 @@ class OpenpiDesignServer:
         prev_total = None
         try:
             while True:
+                frame = await ws.recv()
+                # openpi starts this clock before recv (its prev_total_ms holds the wait for
+                # the client's next frame); from the frame's arrival here, as ours measures
                 start = time.monotonic()
-                obs = wire.unpack(await ws.recv())
+                obs = wire.unpack(frame)
                 t = time.monotonic()
                 action = self.policy.handle(session, obs)  # the event loop waits here
                 action["server_timing"] = {"infer_ms": (time.monotonic() - t) * 1e3}
