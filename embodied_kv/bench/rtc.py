@@ -42,7 +42,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -317,10 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "rtc",
         "quick": a.quick,
-        "config": {"episodes": episodes, "ticks": TICKS, "replan_every": REPLAN,
-                   "delays": list(DELAYS), "seed": SEED, "weights": str(weights),
-                   "weights_sha256": sha,
-                   "rtc": vars(replace(RTCConfig(enabled=True)))},  # fmt: skip
+        "config": {
+            "episodes": episodes,
+            "ticks": TICKS,
+            "replan_every": REPLAN,
+            "delays": list(DELAYS),
+            "seed": SEED,
+            "weights": str(weights),
+            "weights_sha256": sha,
+            "rtc": asdict(RTCConfig(enabled=True)),
+        },  # fmt: skip
         "closed_loop": rows,
         "latency_pi05_widths": lat,
     }
