@@ -244,10 +244,11 @@ def host_work_plan(model, arena, frame: int, family: list, stream: Stream, mems:
     for _ in range(2):
         update(stream, grouped, chunks, n)
     hw = HostWork(model_seed(model, arena), arena_host(arena))
+    made = {}
     with hw:
         for name, mem in (("grouped", grouped), ("chunks", chunks)):
             with hw.region(f"refresh/{name}"):
-                mem.refresh(compute)
+                made[name] = mem.refresh(compute)
         texts = [t for u in grouped.units() for t in u.texts]
         query, _ = stream.query(2, texts)
         lays = {True: layout(model, grouped.units(), grouped.blocks, query),
@@ -263,7 +264,8 @@ def host_work_plan(model, arena, frame: int, family: list, stream: Stream, mems:
     for m in family:
         blocks = "grouped" if m.name.startswith("keep") and m.name != "keep-no-static" else "chunks"
         refresh = hw.counts[f"refresh/{blocks}"] if m.cached else Count()
-        out[m.name] = {"prefill": hw.counts[m.name].as_dict(), "refresh": refresh.as_dict()}
+        out[m.name] = {"prefill": hw.counts[m.name].as_dict(), "refresh": refresh.as_dict(),
+                       "blocks_computed": made[blocks] if m.cached else 0}  # fmt: skip
     return out
 
 

@@ -10,8 +10,11 @@ tensor, so a layer's copy is one transfer and one gather whatever the segment co
                 | unit 0 rows | unit 1 rows | unit 2 rows | ...            |
     slot row    row0 + the prompt token of each row (a unit without a block: a gap)
 
-Pinned on CUDA (an async copy to the device). Per row, built once: its unit, its slot
-row, and the re-rotation tables of its delta (placement position - cached position).
+Where the blocks are: on the device when any block is (the memory keeps its blocks
+there within its budget, kv/memory.py: then a layer's copy never crosses the bus),
+else on the host, pinned on CUDA (an async copy to the device). Per row, built once:
+its unit, its slot row, and the re-rotation tables of its delta (placement position -
+cached position).
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ def pack(sources: list[Source], rope: Rope, device: torch.device) -> HostImage |
     if not sources:
         return None
     pieces = _pieces(sources)
-    pin = device.type == "cuda"
-    k = _cat([b.k[:, a:e] for b, a, e in pieces], pin)  # a whole block: a view of it
-    v = _cat([b.v[:, a:e] for b, a, e in pieces], pin)
+    where = _home(pieces)
+    pin = device.type == "cuda" and where is None
+    k = _cat([b.k[:, a:e] for b, a, e in pieces], pin, where)  # a whole block: a view of it
+    v = _cat([b.v[:, a:e] for b, a, e in pieces], pin, where)
     return _placed(sources, k, v, rope, device)
 
 
@@ -107,10 +111,12 @@ class ImageCache:
         )  # fmt: skip
         if self.event is not None:
             self.event.synchronize()  # no copy from the image still in flight
+        where = self.device or _home(pieces)  # device blocks: a device image
+        same = same and self.k.device == (where or torch.device("cpu"))
         if not same:
-            pin = device.type == "cuda" and self.device is None
+            pin = device.type == "cuda" and where is None
             self.k, self.v = (torch.empty(shape, dtype=first.dtype, pin_memory=pin,
-                                          device=self.device) for _ in range(2))  # fmt: skip
+                                          device=where) for _ in range(2))  # fmt: skip
             self.pieces = [[None, 0, 0]] * len(pieces)
         self.written_rows, offset = 0, 0
         for (b, a, e), (ob, oa, _) in zip(pieces, self.pieces, strict=True):
@@ -158,11 +164,27 @@ def _placed(sources: list[Source], k: torch.Tensor, v: torch.Tensor, rope: Rope,
     return HostImage(k, v, tuple(start), unit, slot_row, cos, sin)
 
 
-def _cat(parts: list[torch.Tensor], pin: bool) -> torch.Tensor:
-    """Concatenate along rows; a single whole block is used as it is (no copy)."""
-    if len(parts) == 1 and parts[0].is_contiguous():
+def _home(pieces: list[list]) -> torch.device | None:
+    """The CUDA device of the first block there, if any (None: every block on the host)."""
+    for b, _, _ in pieces:
+        if b.k.device.type == "cuda":
+            return b.k.device
+    return None
+
+
+def _cat(parts: list[torch.Tensor], pin: bool, where: torch.device | None = None) -> torch.Tensor:
+    """Concatenate along rows on `where` (None: the host); a single whole block already
+    there is used as it is (no copy). Parts on either side: one copy each."""
+    home = where or torch.device("cpu")
+    if len(parts) == 1 and parts[0].is_contiguous() and parts[0].device == home:
         return parts[0]
     shape = list(parts[0].shape)
     shape[1] = sum(p.shape[1] for p in parts)
-    out = torch.empty(shape, dtype=parts[0].dtype, pin_memory=pin)
-    return torch.cat(parts, dim=1, out=out)
+    out = torch.empty(shape, dtype=parts[0].dtype, pin_memory=pin, device=where)
+    if all(p.device == home for p in parts):
+        return torch.cat(parts, dim=1, out=out)
+    row = 0
+    for p in parts:
+        out[:, row : row + p.shape[1]].copy_(p, non_blocking=True)
+        row += p.shape[1]
+    return out

@@ -17,7 +17,7 @@ The rows come from the request's packed host image (kv/host_image.py). A layer's
 copies at one issue point are, per K and V, one range of the image and one gather:
 
     CUDA   image[layer, lo:hi] --one async copy (pinned)--> staging [hi - lo] on the device
-    CPU    image[layer, lo:hi] (a view)
+    CPU, or an image on the device (the memory's blocks there)   image[layer, lo:hi] (a view)
     both   rows = staged[index]; keys re-rotated; slot rows <- rows (one index_copy_)
 
 The image's slot rows are layer 0's; a layer whose slot holds a different row count
@@ -109,9 +109,9 @@ class LayerLoader:
                  schedule: LoadSchedule, image: HostImage | None = None,
                  stage: bool | None = None, shift: list[int] | None = None):  # fmt: skip
         """`stage`: copy each range into a device staging buffer before the gather (the
-        CUDA path; default: on CUDA only). On the CPU it runs the same copies in line,
-        so the tests exercise the CUDA path's indexing. `shift`: per layer, rows past the
-        sources' slot rows (default none)."""
+        CUDA path; default: on CUDA, for an image on the host). On the CPU it runs the
+        same copies in line, so the tests exercise the CUDA path's indexing. `shift`: per
+        layer, rows past the sources' slot rows (default none)."""
         self.arena, self.slot, self.rope, self.schedule = arena, slot, rope, schedule
         self.shift = shift or [0] * schedule.num_layers
         if len(self.shift) != schedule.num_layers:
@@ -122,7 +122,8 @@ class LayerLoader:
         self.stream = torch.cuda.Stream(arena.device) if self.cuda else None
         self.events: dict[int, torch.cuda.Event] = {}  # layer -> after its last copy
         self.staging: tuple[torch.Tensor, torch.Tensor] | None = None
-        if (self.cuda if stage is None else stage) and self.image is not None:
+        on_host = self.image is not None and self.image.k.device.type == "cpu"
+        if (self.cuda and on_host if stage is None else stage) and self.image is not None:
             with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
                 # one layer of the image, K and V; on CUDA owned by the copy stream
                 shape, dtype = self.image.k.shape[1:], self.image.k.dtype

@@ -17,8 +17,11 @@ and its joint block can be placed whole:
 
     \\nFacts: | s1 s2 (group a, static: 1 block) | s3 (group b, dynamic) | s4 | \\nQuery: ...
 
-Blocks live in the host tier (pinned on CUDA): K after RoPE at the positions they
-were computed at (`pos0` onward), V as is. Placing a block elsewhere re-rotates its
+Blocks stay where they were computed (the arena's device) while the memory's device
+blocks fit `device_bytes` (a pi05 memory of 40 segments is ~30 MB); past it a new
+block goes to the host tier (pinned on CUDA), so a plan moves no block across the bus
+unless the memory outgrew its budget. K after RoPE at the positions they were
+computed at (`pos0` onward), V as is. Placing a block elsewhere re-rotates its
 keys (kv/memory_kv.py). The memory is part of the session: a capsule carries the
 segments, groups and blocks (`state_*`), and `clear` empties it.
 """
@@ -55,12 +58,15 @@ class MemoryConfig:
     window: int = 10  # KEEP t: updates without a change before a group is static
     group_threshold: float = 0.9  # cosine of mean-pooled embeddings to join a group
     static_groups: bool = True  # False: every group stays dynamic (the KEEP ablation)
+    device_bytes: int = 256 << 20  # bytes of blocks kept on the device; beyond: host tier
 
     def __post_init__(self):
         if self.window < 1:
             raise ValueError(f"window={self.window} must be >= 1")
         if not -1.0 <= self.group_threshold <= 1.0:
             raise ValueError(f"group_threshold={self.group_threshold} must be in [-1, 1]")
+        if self.device_bytes < 0:
+            raise ValueError(f"device_bytes={self.device_bytes} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -246,7 +252,7 @@ class SegmentMemory:
             for unit in units:
                 if unit.key in self.blocks:
                     continue
-                block = compute(list(unit.texts))
+                block = self._placed(compute(list(unit.texts)))
                 self.blocks[unit.key] = block
                 made += 1
                 if unit.key.startswith("group:"):
@@ -261,6 +267,18 @@ class SegmentMemory:
                     self.counters.computed_segments += 1
             return made
 
+    def _placed(self, block: KVBlock) -> KVBlock:
+        """A new block kept where it is if the device blocks stay within budget, else a
+        host-tier copy (a block on the host stays there)."""
+        if block.k.device.type == "cpu":
+            return block
+        size = block.k.nbytes + block.v.nbytes
+        held = sum(b.k.nbytes + b.v.nbytes for b in self.blocks.values()
+                   if b.k.device.type != "cpu")  # fmt: skip
+        if held + size <= self.cfg.device_bytes:
+            return block
+        return KVBlock(host_tier(block.k), host_tier(block.v), block.pos0, block.spans)
+
     def prompt(self, goal: str) -> str:
         """The plan request's text: header, every segment in unit order, the query."""
         with self._lock:
@@ -271,10 +289,13 @@ class SegmentMemory:
         """Sizes and process counters (diagnostics)."""
         with self._lock:
             static = sum(self.is_static(n) for n in self.groups)
-            nbytes = sum(b.k.nbytes + b.v.nbytes for b in self.blocks.values())
+            nbytes = {"cpu": 0, "device": 0}
+            for b in self.blocks.values():
+                nbytes["cpu" if b.k.device.type == "cpu" else "device"] += b.k.nbytes + b.v.nbytes
             return {"segments": len(self.segments), "groups": len(self.groups),
                     "static_groups": static, "blocks": len(self.blocks),
-                    "host_bytes": nbytes, **vars(self.counters)}  # fmt: skip
+                    "host_bytes": nbytes["cpu"], "device_bytes": nbytes["device"],
+                    **vars(self.counters)}  # fmt: skip
 
     # -- capsule section (kv.capsule.Stateful) ---------------------------------------------
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kv.memory import HEADER, KVBlock, Unit, host_tier, piece, query_suffix
+from embodied_kv.kv.memory import HEADER, KVBlock, Unit, piece, query_suffix
 from embodied_kv.model.layers import Rope
 from embodied_kv.model.vla import VLA, StepInput
 from embodied_kv.storage.arena import KVArena
@@ -46,7 +46,9 @@ def encode(model: VLA, text: str) -> list[int]:
 @torch.no_grad()
 def compute_block(model: VLA, arena: KVArena, work_slot: int, texts: list[str]) -> KVBlock:
     """KV of the segments `texts`, in order, computed together after the anchor (the
-    memory header) in `work_slot`, which is left empty -> a host-tier block."""
+    memory header) in `work_slot`, which is left empty -> a block on the arena's device
+    (a device copy: no host sync; the memory moves it to the host tier past its budget,
+    SegmentMemory.refresh)."""
     anchor = encode(model, HEADER)
     pieces = [encode(model, piece(t)) for t in texts]
     ids = anchor + [i for p in pieces for i in p]
@@ -55,8 +57,8 @@ def compute_block(model: VLA, arena: KVArena, work_slot: int, texts: list[str]) 
     try:
         model.step(arena, [StepInput(work_slot, ids=torch.tensor(ids))])
         a, n = len(anchor), len(ids)
-        k = host_tier(arena.k[:, work_slot, a:n])
-        v = host_tier(arena.v[:, work_slot, a:n])
+        k = arena.k[:, work_slot, a:n].clone()
+        v = arena.v[:, work_slot, a:n].clone()
     finally:
         arena.clear(work_slot)
     spans, start = [], 0
