@@ -35,6 +35,7 @@ from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
 from embodied_kv.model.config import get_preset
+from embodied_kv.model.rtc import GUIDANCE, RTCConfig
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
 
@@ -42,10 +43,11 @@ GOAL_X_LIMIT = 1.5
 INSTRUCTION = "pick up the cup"  # short: the published limit is for a 48-token prompt
 
 
-def engine_for(model, mode: str, slots: int) -> Engine:
+def engine_for(model, mode: str, slots: int, rtc: RTCConfig | None = None) -> Engine:
     cfg = EngineConfig(
         preset=model.cfg.name, device=str(model.device), num_slots=slots, narrate_every=0,
         history=0, auto_episode_capsule=False, control_hz=1e-3,  # no deadline: none missed
+        rtc=rtc or RTCConfig(),
     )  # fmt: skip
     return Engine(cfg, model=model, graph_mode=mode)
 
@@ -95,6 +97,9 @@ def run(args, env: harness.Environment) -> dict:
     model = build_model(cfg, args.device, dtype)
     mode = "cuda" if args.device == "cuda" else "emulate"
     engines = {"graphs": engine_for(model, mode, 2), "eager": engine_for(model, "off", 2)}
+    if args.rtc:  # the guided loop from its graph (docs/rtc.md); guided from its 2nd chunk on
+        rtc = RTCConfig(enabled=True, guidance=args.rtc)
+        engines["graphs_rtc"] = engine_for(model, mode, 2, rtc)
     obs = synthetic_observation(cfg, 0, INSTRUCTION)
     for e in engines.values():
         model.graphs = e.graphs
@@ -118,6 +123,10 @@ def run(args, env: harness.Environment) -> dict:
             **limit_fields(cams, m["prefix_len"], gm if real else None),
             "captures": engines["graphs"].graphs.captures,
         })  # fmt: skip
+        if args.rtc:
+            r = m["samples"]["graphs_rtc"]
+            rows[-1] |= {"rtc": args.rtc, "graphs_rtc_ms": harness.Stats.of(r).as_dict(),
+                         "rtc_over_graphs": harness.ratio(r, g)}  # fmt: skip
     if args.breakdown:  # after the headline rounds: its syncs stay out of them
         for row in rows:
             cams, n = row["cameras"], 2 + repeats
@@ -166,6 +175,11 @@ def report(result: dict) -> None:
                           f"({r['limit_ms']:.2f} ms; {r['graphs_over_limit_48_text']:.2f}x the "
                           f"48-text-token limit) at {r['cameras']} cameras" for r in judged)
               + f" (goal <= {result['goal_x_limit']}x)")  # fmt: skip
+    for r in rows:
+        if "rtc" in r:
+            print(f"{r['cameras']} cameras: RTC ({r['rtc']}) from its graph "
+                  f"{r['graphs_rtc_ms']['median']:.2f} ms = {r['rtc_over_graphs']:.2f}x the "
+                  "plain graphs path")  # fmt: skip
     latency_breakdown.report(rows)
 
 
@@ -180,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         "--breakdown", action="store_true",
         help="then time each region of one action on the graphs engine (a separate pass)",
     )  # fmt: skip
+    p.add_argument(
+        "--rtc",
+        choices=GUIDANCE,
+        default=None,
+        help="also an engine with real-time chunking (this guidance): its own row",
+    )
     args = harness.parse(p, argv)
     env = harness.Environment.start(args, argv)
     result = run(args, env)

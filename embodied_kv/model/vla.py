@@ -232,6 +232,8 @@ class VLA(nn.Module):
         `compressed`: the slot's prefix was compacted by VL-Cache (kv/compress.py), layer l
         keeps rows [0, length[l]) of it; the suffix's positions still follow prefix_len
         (RoPE of the kept keys is untouched). Eager only."""
+        if guide is not None and rtc is None:
+            raise ValueError("a guided chunk needs its RTCConfig (max_guidance, guidance)")
         lens = arena.length[:, slot]
         if compressed:
             if not (0 < int(lens.min()) and int(lens.max()) <= prefix_len <= arena.next_pos[slot]):

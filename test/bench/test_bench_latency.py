@@ -94,3 +94,15 @@ def test_the_verdict_names_both_limits(capsys):
     out = capsys.readouterr().out
     assert "VERDICT FAIL" in out and "4.44x the limit of its 663 prefix rows" in out
     assert "4.80x the 48-text-token limit" in out
+
+
+def test_bench_latency_rtc_row(tmp_path, capsys):
+    """--rtc: a third engine runs the guided loop from its graph (emulation on a CPU); each
+    row reports it beside the plain graphs path."""
+    out = tmp_path / "latency_rtc.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--quick", "--repeats", "1", "--rtc", "error"]
+    assert latency.main([*argv, "--json", str(out)]) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        assert r["rtc"] == "error" and r["graphs_rtc_ms"]["median"] > 0
+        assert r["rtc_over_graphs"] > 0
+    assert "RTC (error) from its graph" in capsys.readouterr().out
