@@ -95,6 +95,21 @@ def test_guided_graph_replay_equals_eager_in_bytes(tiny_model, guidance):
         assert engine.loop.rtc.counters.last_delay == (2 if delay == "measured" else 3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("guidance", ["vjp", "error"])
+def test_guided_cuda_graph_replay_equals_eager_in_bytes(guidance):
+    """The guided loop captured by torch.cuda.graph, the VJP inside (the fused kernels fall
+    back to their torch references while autograd records, in the graph and eagerly)."""
+    from embodied_kv.model.config import get_preset
+    from embodied_kv.model.vla import build_model
+
+    m = build_model(get_preset("tiny"), "cuda")
+    rtc = RTCConfig(True, 5.0, guidance=guidance)
+    eager, _ = run_engine(m, rtc)
+    graphed, _ = run_engine(m, rtc, mode="cuda")
+    assert graphed == eager
+
+
 def test_queue_measures_delay_and_the_boundary_jump():
     q = ActionQueue(horizon=4, action_dim=2, delay_ema=0.5)
     first = np.arange(8.0).reshape(4, 2)
