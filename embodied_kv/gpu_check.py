@@ -227,7 +227,7 @@ def run_mechanisms(args: argparse.Namespace) -> int:
             rc, seconds = run_inline(cmd[3:], out / f"{b.name}.txt")
         else:
             rc, seconds = run_logged(cmd, out / f"{b.name}.txt", budget)
-        problem = mechanisms.check(b, out) if rc == 0 else None
+        problem = mechanisms.check(b, out, args.dry) if rc == 0 else None
         steps[b.name] = {"returncode": rc, "seconds": seconds, "budget_s": budget,
                          "command": " ".join(cmd[1:]), "fields_missing": problem,
                          "hf_compiled": mechanisms.SKIPPED_HF}  # fmt: skip
