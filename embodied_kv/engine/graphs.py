@@ -114,6 +114,7 @@ class GraphRunner:
         self.step_buckets = tuple(b for b in step_buckets if b <= most and b % ROW_BUCKET == 0)
         self._steps: dict[int, StaticStep] = {}
         self._denoise: dict[tuple[int, int], tuple] = {}
+        self._guided: dict[tuple, tuple] = {}  # (slot, rows, guidance, beta): RTC's loop
         self._vision: dict[int, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.replays = 0
@@ -226,8 +227,8 @@ class GraphRunner:
         return out.clone()
 
     def _guided_graph(self, slot: int, rows: int, rtc) -> tuple:
-        key = ("rtc", slot, rows, rtc.guidance, rtc.max_guidance)
-        if key not in self._denoise:
+        key = (slot, rows, rtc.guidance, rtc.max_guidance)
+        if key not in self._guided:
             c, dev = self.model.cfg, self.arena.device
             noise_s = torch.zeros(c.action_horizon, c.action_dim, device=dev)
             plen_s = torch.full((), rows, dtype=torch.int64, device=dev)
@@ -241,8 +242,8 @@ class GraphRunner:
                                      kind, rows)  # fmt: skip
 
             replay, out = self.graph_of(fn)
-            self._denoise[key] = (replay, out, noise_s, plen_s, target_s, w_s)
-        return self._denoise[key]
+            self._guided[key] = (replay, out, noise_s, plen_s, target_s, w_s)
+        return self._guided[key]
 
     # -- vision ----------------------------------------------------------------------
 
