@@ -23,6 +23,7 @@ from embodied_kv.serve.layouts import get_layout, has_observation, observation
 from embodied_kv.serve.session import Session
 
 COMMANDS = ("reset", "snapshot", "restore")
+NO_FINAL_EVENT = "not answered in this frame (no free slot); ask again"
 
 
 class ServePolicy:
@@ -107,14 +108,17 @@ class ServePolicy:
             request_id, refused = engine.ask(question) if question else (None, None)
             try:
                 result = engine.cycle(session.frame)
+                if result is None or result.chunk is None:
+                    raise RuntimeError("the engine made no chunk (held or in its safe state)")
+                events = list(result.events)
+                if request_id is not None and refused is None:
+                    events += engine.loop.finish_all()  # the answer in this response
             except Exception:
-                self._leave_safe_state()
+                self._drop_open_work()
                 raise
-            if result is None or result.chunk is None:
-                raise RuntimeError("the engine made no chunk (held or in its safe state)")
-            events = list(result.events)
-            if request_id is not None and refused is None:
-                events += engine.loop.finish_all()  # the answer in this response
+            answer = None if request_id is None else _answer(request_id, refused, events)
+            if answer is not None and answer["reason"] == NO_FINAL_EVENT:
+                self._drop_open_work()  # never admitted: it must not run in another's cycle
             session.frame = engine.frame
         out = {
             "actions": result.chunk,  # [H, action_dim] robot units
@@ -122,15 +126,17 @@ class ServePolicy:
             "frame": result.frame,
             "noise_seed": engine.cfg.seed + result.frame,
         }
-        if request_id is not None:
-            out["answer"] = _answer(request_id, refused, events)
+        if answer is not None:
+            out["answer"] = answer
         return out
 
-    def _leave_safe_state(self) -> None:
-        """The engine holds after max_cycle_failures failed cycles in a row; one client's
-        failures must not hold every other client: back to `episode_start`."""
-        if self.engine.faults.safe:
-            self.engine.restore()
+    def _drop_open_work(self) -> None:
+        """Back to `episode_start` after a failed frame: a request it queued or admitted
+        ends (and is not decoded in another connection's cycle), and the engine leaves
+        its safe state (max_cycle_failures in a row), so one client's failures never hold
+        the others. Sessions keep their own frames, so nothing else is lost."""
+        self.engine.restore()
+        self.engine.take_events()  # the dropped request's CANCELLED event: nobody's
 
     def forget(self, session: Session) -> None:
         """A connection closed: its capsules leave the store."""
@@ -144,5 +150,5 @@ class ServePolicy:
 def _answer(request_id: str, refused: TextEvent | None, events: list[TextEvent]) -> dict:
     final = refused or next((e for e in events if e.request_id == request_id and e.done), None)
     if final is None:
-        return {"text": "", "status": Status.CANCELLED.value, "reason": "no final event"}
+        return {"text": "", "status": Status.CANCELLED.value, "reason": NO_FINAL_EVENT}
     return {"text": final.text, "status": final.status.value, "reason": final.reason}
