@@ -11,4 +11,5 @@ rclpy here: this is the second edge beside ros/, reading the same config file
     server.py   the asyncio websocket server; engine work on one thread, off the loop
     config.py   ServeConfig and the engine's config for serving, from the YAML
     main.py     the command line
+    process.py  `embodied-kv serve` as a child process (tests, scripts)
 """
