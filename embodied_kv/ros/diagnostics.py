@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from diagnostic_msgs.msg import DiagnosticStatus
 
+from embodied_kv.ros import heap
 from embodied_kv.ros.engine_host import EngineHost
 
 RATE_TOLERANCE = 0.05  # WARN when the action rate is off its target by more than this
@@ -122,6 +123,10 @@ def _output(host: EngineHost) -> tuple[bytes, str, dict]:
             "late": c.late,
             "skipped": c.skipped,
             "errors": c.errors,
+            # a full GC stops every thread, this one's too (ros/heap.py)
+            "gc_full_collections": heap.FULL.count,
+            "gc_full_pause_max_ms": heap.FULL.max_ms,
+            "gc_frozen_objects": heap.frozen(),
         },
     )
 

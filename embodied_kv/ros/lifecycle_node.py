@@ -18,6 +18,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 
 from embodied_kv.engine.engine import Engine
 from embodied_kv.engine.params import ENGINE_PARAMS, engine_config
+from embodied_kv.ros import heap
 from embodied_kv.ros.engine_host import EngineHost
 from embodied_kv.ros.messages import excerpt
 
@@ -74,6 +75,7 @@ class EmbodiedNode(LifecycleNode):
         except ValueError as e:
             self.get_logger().error(f"configure refused: {e}")
             return FAILURE
+        built = self.host.engine is None
         try:
             self.engine = self.host.acquire(self.get_name(), cfg, self.get_logger().error)
         except Exception as e:
@@ -86,6 +88,7 @@ class EmbodiedNode(LifecycleNode):
             self._release()
             return FAILURE
         self.preset, self.control_rate_hz = cfg.preset, cfg.control_hz
+        heap.settle(collect=built)  # no full GC pause of the startup heap (ros/heap.py)
         self.get_logger().info(f"configured (preset={cfg.preset}, {cfg.control_hz:g} Hz)")
         return SUCCESS
 
@@ -159,8 +162,11 @@ class EmbodiedNode(LifecycleNode):
 
     def _release(self) -> None:
         self._quietly(self.teardown, "cleanup")
+        heap.thaw()  # the engine's objects collectable again if this frees it
         if self.engine is not None and self.host.release(self.get_name()):
             self.get_logger().info("engine freed (last user)")
+        elif self.host.engine is not None:
+            heap.settle(collect=False)
         self.engine = None
         self.preset = None
         self.control_rate_hz = None

@@ -1,0 +1,112 @@
+"""The action output never waits for a service (issue 35, 3): while several clients, each
+its own DDS participant, call `reset`, `rollback` and `snapshot` in a loop and answers
+stream, a subscriber in another process (action_recorder.py) measures the action stream:
+its rate stays within 1 % of the target and no gap between two actions exceeds 3 periods.
+The robot's own /diagnostics say no full garbage collection paused it for a period."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+
+from embodied_kv.srv import Reset, Rollback, Snapshot
+
+RATE_HZ, PERIOD_S = 50.0, 0.02
+WINDOW_S = 10.0  # the clients call for this long (a 1 % rate needs a few hundred actions)
+MAX_CALLS = 400  # per client, at most (the window ends first at ~100 calls a second)
+CALL_TIMEOUT_S = 15.0
+RECORDER = Path(__file__).with_name("action_recorder.py")
+TARGET = "hammer_mark"
+
+
+class Hammer(threading.Thread):
+    """One client in a participant of its own, calling one service in a loop."""
+
+    def __init__(self, namespace: str, i: int, kind: str, until: float):
+        super().__init__(name=f"hammer-{i}", daemon=True)
+        self.kind, self.until = kind, until
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node(f"hammer_{i}", namespace=namespace, context=self.context)
+        srv, name, self.request = {
+            "reset": (Reset, "kv_manager/reset", Reset.Request()),
+            "rollback": (Rollback, "kv_manager/rollback", Rollback.Request(name=TARGET)),
+            "snapshot": (Snapshot, "kv_manager/snapshot", Snapshot.Request(name=f"hammer_{i}")),
+        }[kind]
+        self.client = self.node.create_client(srv, name)
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.calls, self.failures = 0, []
+
+    def run(self) -> None:
+        while self.calls < MAX_CALLS and time.monotonic() < self.until:
+            future = self.client.call_async(self.request)
+            self.executor.spin_until_future_complete(future, timeout_sec=CALL_TIMEOUT_S)
+            self.calls += 1
+            response = future.result()
+            if response is None or not response.success:
+                self.failures.append(getattr(response, "message", "no response"))
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=5.0)
+        self.node.destroy_node()
+        self.context.try_shutdown()
+
+
+def test_service_hammering_never_stalls_the_action_stream(robot, tmp_path):
+    robot.observe(seed=5)
+    assert robot.call("snapshot", Snapshot.Request(name=TARGET, tier=1)).success
+    out, stop = tmp_path / "actions.json", tmp_path / "stop"
+    recorder = subprocess.Popen(
+        [sys.executable, str(RECORDER), robot.robot.namespace, str(out), str(stop),
+         str(WINDOW_S + 60.0)],
+    )  # fmt: skip
+    try:
+        robot.wait_until((tmp_path / "ready").exists, "the recorder's first action", 60.0)
+        for i in range(4):
+            robot.ask(f"while the services are hammered, describe the scene, part {i}?")
+        kinds = ("reset", "reset", "rollback", "snapshot")
+        t0 = time.monotonic()
+        hammers = [Hammer(robot.robot.namespace, i, k, t0 + WINDOW_S) for i, k in enumerate(kinds)]
+        for h in hammers:
+            assert h.client.wait_for_service(timeout_sec=CALL_TIMEOUT_S)
+        t0 = time.monotonic()
+        for h in hammers:
+            h.until = t0 + WINDOW_S
+            h.start()
+        for h in hammers:
+            h.join(WINDOW_S + 2 * CALL_TIMEOUT_S)
+        t1 = time.monotonic()
+    finally:
+        stop.write_text("1")
+        recorder.wait(60.0)
+    for h in hammers:
+        h.close()
+    arrivals = np.array(json.loads(out.read_text()))
+    window = arrivals[(arrivals >= t0) & (arrivals <= t1)]
+    gaps = np.diff(window)
+    rate = (len(window) - 1) / (window[-1] - window[0])
+    calls = {f"{h.kind}-{i}": h.calls for i, h in enumerate(hammers)}
+    line = (f"{sum(calls.values())} calls {calls} in {t1 - t0:.1f} s; {len(window)} actions: "
+            f"{rate:.2f} Hz, gap p99 {np.percentile(gaps, 99) * 1e3:.1f} ms, "
+            f"max {gaps.max() * 1e3:.1f} ms")  # fmt: skip
+    print(f"\n{line}")
+    assert all(not h.is_alive() for h in hammers), line
+    assert all(h.calls >= 5 and not h.failures for h in hammers), (
+        line, [h.failures[:3] for h in hammers])  # fmt: skip
+    assert abs(rate - RATE_HZ) <= 0.01 * RATE_HZ, line
+    assert gaps.max() <= 3 * PERIOD_S, line
+    time.sleep(1.0)  # the next /diagnostics
+    robot.wait_until(lambda: robot.diagnostics is not None, "/diagnostics")
+    output = {kv.key: kv.value for s in robot.diagnostics.status for kv in s.values
+              if s.name == "embodied_kv: action output"}  # fmt: skip
+    assert float(output["gc_full_pause_max_ms"]) < PERIOD_S * 1e3, output
+    assert int(output["gc_frozen_objects"]) > 100_000, output
