@@ -93,7 +93,7 @@ class HostWork(TorchDispatchMode):
         self.counts: dict[str, Count] = {}
         self._region: str | None = None
         self._side: dict[int, str] = {}  # storage ptr -> side (CPU emulation)
-        self._sent: set[tuple] = set()  # host views already sent this region
+        self._sent: dict[int, torch.Tensor] = {}  # host storages sent this region
         self._replay_frame = None  # the emulated replay now running (one launch)
         self._cuda_run = torch.cuda.is_available()
         for t in seed:
@@ -118,11 +118,12 @@ class HostWork(TorchDispatchMode):
     def region(self, name: str):
         old, self._region = self._region, name
         self.counts.setdefault(name, Count())
-        self._sent = set()
+        self._sent = {}
         try:
             yield self.counts[name]
         finally:
             self._region = old
+            self._sent = {}
 
     def __enter__(self):
         self._saved = {n: getattr(torch.Tensor, n) for n in HOST_READ_METHODS}
@@ -243,8 +244,8 @@ class HostWork(TorchDispatchMode):
             for t, s in zip(ins, sides, strict=True):
                 if s == HOST and t.dim() > 0:
                     key = t.untyped_storage().data_ptr()
-                    if key not in self._sent:
-                        self._sent.add(key)
+                    if key not in self._sent:  # held: its address is not reused meanwhile
+                        self._sent[key] = t
                         c.add("h2d", 1, t.numel() * t.element_size())
             side = DEVICE
         else:

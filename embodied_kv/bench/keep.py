@@ -53,8 +53,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from embodied_kv.bench import harness
-from embodied_kv.bench.host_work import Count, HostWork, arena_host, model_seed
+from embodied_kv.bench import harness, keep_sweep
+from embodied_kv.bench.keep_census import host_work_plan
 from embodied_kv.bench.keep_stream import Stream, sentence
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import GraphRunner, default_mode
@@ -163,9 +163,10 @@ def run_segments(model, n: int, args, device: str) -> dict:
     frame, work, cache = (arena.allocate() for _ in range(3))
     model.prefill(arena, frame, prefix)
     keep_cfg = KeepConfig(*args.keep_ratios)
-    family = methods(cache, keep_cfg)
+    sweep = getattr(args, "sweep", False)
+    family = keep_sweep.family(cache) if sweep else methods(cache, keep_cfg)
     mode = default_mode(device) if args.graphs == "auto" else args.graphs
-    if mode != "off":  # beside the eager rows, full recomputation and KEEP from graphs
+    if mode != "off" and not sweep:  # beside the eager rows, full and KEEP from graphs
         runner = GraphRunner(model, arena, mode)
         family.insert(1, FullGraphs(runner))
         family.append(GraphKeep(runner, keep_cfg))
@@ -232,41 +233,6 @@ def run_segments(model, n: int, args, device: str) -> dict:
             "static_groups": sum(
         u.key.startswith("group:") for u in grouped.units()), "groups": len(grouped.groups),
         "counters": vars(grouped.counters)}  # fmt: skip
-
-
-def host_work_plan(model, arena, frame: int, family: list, stream: Stream, mems: tuple,
-                   n: int, compute) -> dict:  # fmt: skip
-    """One more plan request, untimed, under the host-work counter (bench/host_work.py):
-    per method, what its plan costs the host: the memory's refresh after the updates
-    (`refresh`: the blocks they invalidated computed), then the prefill and the first
-    token read (`prefill`), as the engine's plan admission runs them."""
-    grouped, chunks = mems
-    for _ in range(2):
-        update(stream, grouped, chunks, n)
-    hw = HostWork(model_seed(model, arena), arena_host(arena))
-    made = {}
-    with hw:
-        for name, mem in (("grouped", grouped), ("chunks", chunks)):
-            with hw.region(f"refresh/{name}"):
-                made[name] = mem.refresh(compute)
-        texts = [t for u in grouped.units() for t in u.texts]
-        query, _ = stream.query(2, texts)
-        lays = {True: layout(model, grouped.units(), grouped.blocks, query),
-                False: layout(model, chunks.units(), chunks.blocks, query)}  # fmt: skip
-        for m in family:
-            lay = lays[m.grouped] if m.cached else lays[True]
-            slot = arena.allocate()
-            arena.copy_slot(frame, slot)
-            with hw.region(m.name):
-                int(m.prefill(model, arena, slot, lay, frame).argmax())
-            arena.release(slot)
-    out = {}
-    for m in family:
-        blocks = "grouped" if m.name.startswith("keep") and m.name != "keep-no-static" else "chunks"
-        refresh = hw.counts[f"refresh/{blocks}"] if m.cached else Count()
-        out[m.name] = {"prefill": hw.counts[m.name].as_dict(), "refresh": refresh.as_dict(),
-                       "blocks_computed": made[blocks] if m.cached else 0}  # fmt: skip
-    return out
 
 
 def timed_prefill(m, model, arena, frame: int, lay, clock) -> tuple:
@@ -388,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graphs", choices=["auto", "off", "emulate"], default="auto",
                    help="the full-graphs and keep-graphs rows: auto = CUDA graphs on CUDA, "
                    "none on the CPU")
+    p.add_argument("--sweep", action="store_true",
+                   help="KEEP's ratios and CacheBlend's share swept against full "
+                   "recomputation (bench/keep_sweep.py) instead of the methods")  # fmt: skip
     args = harness.parse(p, argv)
     args.weights = default_weights(args.preset, args.weights)
     if args.quick:
@@ -405,9 +374,16 @@ def main(argv: list[str] | None = None) -> int:
             "one_hop_distinct", "two_hop", "agree", "same_answer", "captures"]  # fmt: skip
     print_table(["N", "method", *[k.replace("one_hop_distinct", "distinct") for k in keys]],
                 [[r["segments"], r["method"], *[r[k] for k in keys]] for r in rows])  # fmt: skip
-    line = verdict(rows, bool(args.weights))
-    print(line)
     result = {"benchmark": "keep", "weights": what, "rows": rows, "memory": extra,
-              "requests": args.requests, "verdict": line}  # fmt: skip
+              "requests": args.requests}  # fmt: skip
+    if args.sweep:  # the operating points: a frontier per segment count, no PASS/FAIL
+        sizes = sorted({r["segments"] for r in rows})
+        result["sweep"] = {str(n): keep_sweep.frontier([r for r in rows if r["segments"] == n])
+                           for n in sizes}  # fmt: skip
+        line = " | ".join(keep_sweep.summary_line(n, result["sweep"][str(n)]) for n in sizes)
+    else:
+        line = verdict(rows, bool(args.weights))
+    print(line)
+    result["verdict"] = line
     harness.finish(result, env, args.json)
     return 0

@@ -138,3 +138,38 @@ def test_keep_ratios_reach_every_keep_row(tmp_path):
     rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
     for name in ("keep", "keep-no-static", "keep-one-hop", "keep-no-balance", "keep-graphs"):
         assert rows[name]["compute_share"] == 1.0 and rows[name]["agree"] == 1.0, name
+
+
+def test_the_sweep_runs_every_operating_point_against_full_recomputation(tmp_path, capsys):
+    from embodied_kv.bench.keep_sweep import BLEND_SHARES, KEEP_POINTS, keep_name
+
+    out = tmp_path / "sweep.json"
+    argv = ["--quick", "--sweep", "--segments", "10", "--requests", "2", "--weights", ""]
+    assert main([*argv, "--graphs", "off", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    names = ["full", *[keep_name(*p) for p in KEEP_POINTS],
+             *[f"cacheblend@{s:g}" for s in BLEND_SHARES]]  # fmt: skip
+    assert [row["method"] for row in r["rows"]] == names
+    share = {row["method"]: row["compute_share"] for row in r["rows"]}
+    keeps = [share[keep_name(*p)] for p in KEEP_POINTS]  # lower ratios: less recomputed
+    assert keeps == sorted(keeps, reverse=True) and keeps[0] > keeps[-1]
+    front = r["sweep"]["10"]
+    assert set(front["points"]) == set(names) and front["frontier"]["keep"]
+    assert r["verdict"].startswith("sweep: ") and r["verdict"] in capsys.readouterr().out
+
+
+def test_a_keep_point_is_dominated_only_by_a_cacheblend_point_as_fast_and_as_faithful():
+    from embodied_kv.bench.keep_sweep import frontier
+
+    def row(method, ttft, same, two=0.5):
+        return {"method": method, "ttft_ms": ttft, "speedup_vs_full": 1.0, "compute_share": 0.5,
+                "two_hop": two, "same_answer": same, "one_hop": 0.5}  # fmt: skip
+
+    f = frontier([row("full", 10, 1.0), row("keep@a", 5, 0.8), row("keep@b", 4, 0.6),
+                  row("keep@c", 6, 0.7), row("cacheblend@x", 4, 0.7),
+                  row("cacheblend@y", 3, 0.9, two=0.4)])  # fmt: skip
+    assert f["frontier"] == {"keep": ["keep@a", "keep@b"], "cacheblend": ["cacheblend@y"]}
+    # x beats b (as fast, more faithful) and c (faster, as faithful); y beats a, b and c on
+    # TTFT and same-answer but loses on two-hop, so it dominates none of them
+    assert f["keep_dominated_by"] == {"keep@a": [], "keep@b": ["cacheblend@x"],
+                                      "keep@c": ["cacheblend@x"]}  # fmt: skip
