@@ -153,9 +153,11 @@ class HostWork(TorchDispatchMode):
     def _reader(self, name: str):
         saved = self._saved[name]
 
-        def method(t, *args, **kwargs):
+        def method(t, *args, **kwargs):  # on CUDA the copy to the host is an op: seen there
             c = self._count()
-            if c is not None and self.side(t) == DEVICE and not self._in_replay():
+            if c is not None and not self._cuda_run and self.side(t) == DEVICE and (
+                not self._in_replay()
+            ):
                 c.add("syncs")
                 c.add("d2h")
             return saved(t, *args, **kwargs)

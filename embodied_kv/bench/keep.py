@@ -11,8 +11,10 @@ per segment: full reuse, CacheBlend, the no-static ablation). A frame's prefix
 (world cameras + instruction) is prefilled once; every request copies it into a slot
 and the method appends header + memory + query (kv/memory_methods.py). On CUDA a
 `full-graphs` row adds full recomputation as the engine runs it there (`memory.mode:
-full`): the packed step replayed from its CUDA graph, and a `keep-graphs` row KEEP's
-whole prefill replayed from its graphs (engine/keep_graph.py; `--graphs`;
+full`): the packed step replayed from its CUDA graph, a `prefix-graphs` row prefix
+caching with its remainder replayed so, and a `keep-graphs` row KEEP's whole prefill
+replayed from its graphs (engine/keep_graph.py; CacheBlend and reuse have no graph
+rows yet: eager); `--graphs`;
 `emulate` runs the graph code path on the CPU, a test of it, not a speed):
 
     ttft_ms      prefill of the plan prompt (cached KV placed, recomputation) to the
@@ -134,6 +136,22 @@ class FullGraphs(FullRecompute):
         return logits[0]
 
 
+class PrefixGraphs(PrefixCaching):
+    """Prefix caching as the engine would run it on a GPU: the unchanged prefix copied
+    from the cache slot, the rest one packed step replayed from its graph (eager where
+    no bucket holds it)."""
+
+    name = "prefix-graphs"
+
+    def __init__(self, cache_slot: int, runner: GraphRunner):
+        super().__init__(cache_slot)
+        self.runner = runner
+
+    def append(self, model, arena, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.runner.step([StepInput(slot, ids=ids)])
+        return super().append(model, arena, slot, ids) if logits is None else logits[0]
+
+
 def greedy(model, arena, slot, logits, n: int) -> list[int]:
     tok, out = logits.argmax().view(1), []
     for i in range(n):
@@ -159,8 +177,8 @@ def run_segments(model, n: int, args, device: str) -> dict:
             mem.apply(MemoryOp.ADD, key, text, n, group)
     prefix = frame_prefix(model, args.seed)
     budget = prefix.embeds.shape[0] + fact_tokens(model) * n + 64 + AGREE_TOKENS
-    arena = model.new_arena(5, -(-budget // KEY_BLOCK) * KEY_BLOCK)
-    frame, work, cache = (arena.allocate() for _ in range(3))
+    arena = model.new_arena(6, -(-budget // KEY_BLOCK) * KEY_BLOCK)
+    frame, work, cache, graph_cache = (arena.allocate() for _ in range(4))
     model.prefill(arena, frame, prefix)
     keep_cfg = KeepConfig(*args.keep_ratios)
     sweep = getattr(args, "sweep", False)
@@ -169,6 +187,7 @@ def run_segments(model, n: int, args, device: str) -> dict:
     if mode != "off" and not sweep:  # beside the eager rows, full and KEEP from graphs
         runner = GraphRunner(model, arena, mode)
         family.insert(1, FullGraphs(runner))
+        family.insert(3, PrefixGraphs(graph_cache, runner))  # after the eager prefix
         family.append(GraphKeep(runner, keep_cfg))
     compute = lambda texts: compute_block(model, arena, work, texts)  # noqa: E731
     clock = device_clock(device)
@@ -268,7 +287,8 @@ def summarise(n: int, raw: dict) -> list[dict]:
     rows = []
     for name, s in raw["methods"].items():
         blocks = "grouped" if name.startswith("keep") and name != "keep-no-static" else "chunks"
-        refresh = raw["refresh"][blocks] if name not in ("full", "full-graphs", "prefix") else []
+        uncached = ("full", "full-graphs", "prefix", "prefix-graphs")
+        refresh = raw["refresh"][blocks] if name not in uncached else []
         active = np.mean(s["active"], axis=0).round(1).tolist() if s["active"] else []
         rows.append({
             "segments": n,

@@ -67,9 +67,13 @@ class PrefixCaching:
                 arena.v[layers, slot, rows].copy_(arena.v[layers, self.cache_slot, rows])
             arena.length[:, slot] += common
             arena.next_pos[slot] += common
-        logits = model.append(arena, slot, torch.tensor(lay.ids[common:]))
+        logits = self.append(model, arena, slot, torch.tensor(lay.ids[common:]))
         self.reused = common
         return logits
+
+    def append(self, model: VLA, arena: KVArena, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """The rest of the prompt after the rows reused -> logits after its last token."""
+        return model.append(arena, slot, ids)
 
     def remember(self, arena: KVArena, slot: int, lay: PromptLayout, frame: int) -> None:
         """Keep this request's prompt rows (after the prefill, outside its TTFT)."""

@@ -109,7 +109,7 @@ def test_preset_pi05_means_pi05_shapes_not_the_shipped_world_model():
 
 
 def test_the_graphed_rows_are_exact(tmp_path):
-    """`full-graphs` and `keep-graphs` (on CUDA by default) run through the graph code
+    """`full-graphs`, `prefix-graphs` and `keep-graphs` (on CUDA by default) run the graph code
     path on the CPU (`--graphs emulate`): the tokens of eager full recomputation and of
     eager KEEP; the verdict compares the faster KEEP with the faster full."""
     out = tmp_path / "keep.json"
@@ -118,9 +118,12 @@ def test_the_graphed_rows_are_exact(tmp_path):
     assert main(argv) == 0
     r = json.loads(out.read_text())
     rows = {row["method"]: row for row in r["rows"]}
-    assert list(rows) == [METHODS[0], "full-graphs", *METHODS[1:], "keep-graphs"]
-    assert rows["full-graphs"]["agree"] == 1.0 and rows["full-graphs"]["same_answer"] == 1.0
+    assert list(rows) == [METHODS[0], "full-graphs", METHODS[1], "prefix-graphs",
+                          *METHODS[2:], "keep-graphs"]  # fmt: skip
+    for exact in ("full-graphs", "prefix-graphs"):  # full recomputation's tokens, replayed
+        assert rows[exact]["agree"] == 1.0 and rows[exact]["same_answer"] == 1.0
     assert rows["full-graphs"]["compute_share"] == 1.0
+    assert rows["prefix-graphs"]["compute_share"] == rows["prefix"]["compute_share"]
     for key in ("agree", "same_answer", "compute_share", "one_hop", "one_hop_distinct", "two_hop"):
         assert rows["keep-graphs"][key] == rows["keep"][key]
     assert rows["keep-graphs"]["compute_share"] < 1.0
