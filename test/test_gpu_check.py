@@ -138,6 +138,16 @@ def test_mechanisms_profile_fits_the_window_and_its_gpu_arguments_parse(monkeypa
     assert len(parsed) == len(mechanisms.PROFILE)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: it would run")
+def test_make_gpu_check_mechanisms_without_cuda_points_at_the_dry_run():
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["make", "-s", "gpu-check-mechanisms"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("gpu-check:")]
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and "--dry" in lines[0]
+
+
 def test_dry_needs_the_mechanisms_profile(capsys):
     with pytest.raises(SystemExit):
         gpu_check.main(["--dry"])
