@@ -192,11 +192,17 @@ class GraphRunner:
             return None
         rows = denoise_rows(prefix_len, self.arena.spec.max_len)
         replay, out, noise_s, plen_s = self._denoise_graph(slot, rows)
+        self._refresh_constants()
         noise_s.copy_(noise, non_blocking=True)
         plen_s.fill_(prefix_len)
         replay()
         self.replays += 1
         return out.clone()
+
+    def _refresh_constants(self) -> None:
+        """The flow-time modulation the denoise graphs read (model/flow_constants.py),
+        recomputed in place if the weights changed since (a host-side check)."""
+        self.model.expert.flow_mods.refresh_all(self.model.expert)
 
     def _denoise_graph(self, slot: int, rows: int) -> tuple:
         key = (slot, rows)
@@ -218,6 +224,7 @@ class GraphRunner:
             return None
         rows = denoise_rows(prefix_len, self.arena.spec.max_len)
         replay, out, noise_s, plen_s, target_s, w_s = self._guided_graph(slot, rows, rtc)
+        self._refresh_constants()
         noise_s.copy_(noise, non_blocking=True)
         plen_s.fill_(prefix_len)
         target_s.copy_(guide.target, non_blocking=True)

@@ -17,6 +17,7 @@ from torch import nn
 
 from embodied_kv.kernels.expert_attention import expert_attention
 from embodied_kv.model.config import ModelConfig
+from embodied_kv.model.flow_constants import FlowModulationCache
 from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
 from embodied_kv.storage.arena import KVArena
 
@@ -34,6 +35,7 @@ class ActionExpert(nn.Module):
         self.time_mlp_in = nn.Linear(e.width, e.width)
         self.time_mlp_out = nn.Linear(e.width, e.width)
         self.scale = e.head_dim**-0.5
+        self.flow_mods = FlowModulationCache()  # model/flow_constants.py: once per weights
 
     @property
     def dtype(self) -> torch.dtype:
@@ -84,11 +86,19 @@ class ActionExpert(nn.Module):
         ctx = self.context(t.reshape(1), x_t.shape[0], prefix_len, rows, x_t.device)
         return self.velocity_at(x_t, ctx, 0, arena, slot, prefix_len)
 
+    def flow_modulation(self, steps: int, device) -> Modulation:
+        """The modulation of the `steps` Euler steps' flow times (`step_times`), kept per
+        (steps, dtype, device) while the weights stay the same (model/flow_constants.py);
+        the bytes `modulation(step_times(steps, device))` computes."""
+        return self.flow_mods.get(self, steps, device)
+
     def context(
-        self, times, h_len: int, prefix_len, rows: int | None, device, layer_rows=None
-    ) -> StepContext:
-        """What every Euler step shares: modulation for `times` [S], the suffix's RoPE
-        tables, the additive prefix mask (0 / -inf over [0, rows), or zeros [P]).
+        self, times, h_len: int, prefix_len, rows: int | None, device, layer_rows=None,
+        modulation: Modulation | None = None,
+    ) -> StepContext:  # fmt: skip
+        """What every Euler step shares: modulation for `times` [S] (or `modulation`, that
+        of those times, given), the suffix's RoPE tables, the additive prefix mask (0 / -inf
+        over [0, rows), or zeros [P]).
 
         `layer_rows` [L] (a VL-Cache-compressed prefix, kv/compress.py): layer l reads rows
         [0, layer_rows[l]) and the mask is per layer, [L, rows + H]."""
@@ -102,7 +112,8 @@ class ActionExpert(nn.Module):
         # the suffix attends to all its own tokens: its part of the mask is zeros
         suffix = torch.zeros(*lead, h_len, device=device)
         bias = torch.cat([bias, suffix], dim=-1)  # [rows + H] or [L, rows + H] fp32
-        return StepContext(self.modulation(times), self.rope.at(position), n_rows, bias)
+        mod = self.modulation(times) if modulation is None else modulation
+        return StepContext(mod, self.rope.at(position), n_rows, bias)
 
     def velocity_at(
         self,
@@ -154,13 +165,13 @@ class ActionExpert(nn.Module):
 
         The flow state x stays fp32 whatever the model dtype (openpi, LeRobot). No
         host-device copies inside, so engine/graphs.py can capture it whole. What the
-        steps share (modulation of all 10 flow times, RoPE tables, mask) is computed once."""
+        steps share (RoPE tables, mask) is computed once; the modulation of the 10 flow times
+        once per weights load (`flow_modulation`)."""
         steps = self.cfg.denoise_steps
         dt = -1.0 / steps
         x = noise.float()
-        # t_k = 1 + k dt in float64, as the Python float would be, then fp32
-        times = (1.0 + torch.arange(steps, dtype=torch.float64, device=x.device) * dt).float()
-        ctx = self.context(times, x.shape[0], prefix_len, rows, x.device, layer_rows)
+        mod = self.flow_modulation(steps, x.device)  # of t_k = 1 + k dt, kept across actions
+        ctx = self.context(None, x.shape[0], prefix_len, rows, x.device, layer_rows, mod)
         for k in range(steps):
             x = x + dt * self.velocity_at(x, ctx, k, arena, slot, prefix_len).float()
         return x

@@ -169,7 +169,8 @@ def sample_guided(
     times = step_times(steps, x.device)
     host_t = [1.0 + k * dt for k in range(steps)]  # the same values in float64 on the host
     gs = guidance_weights(host_t, beta)
-    ctx = expert.context(times, x.shape[0], prefix_len, rows, x.device, layer_rows)
+    mod = expert.flow_modulation(steps, x.device)  # that of `times`, kept across actions
+    ctx = expert.context(None, x.shape[0], prefix_len, rows, x.device, layer_rows, mod)
     for k in range(steps):
         v = guided_velocity(expert, x, ctx, k, times[k], arena, slot, prefix_len, target,
                             weights, gs[k], guidance)  # fmt: skip
