@@ -18,7 +18,8 @@ import time
 
 
 class FullCollections:
-    """Count and longest duration of the full collections of this process (/diagnostics)."""
+    """Count and longest duration of the full collections while the heap is frozen
+    (/diagnostics)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -26,8 +27,8 @@ class FullCollections:
         self._start = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
-        if info.get("generation") != 2:
-            return
+        if info.get("generation") != 2 or not _frozen:  # not the deliberate ones of
+            return  # a configure or a cleanup: only those while the robot runs
         if phase == "start":
             self._start = time.perf_counter()
             return
