@@ -79,8 +79,7 @@ class EndedRequests:
         except OSError as e:  # read-only or full disk: this process still knows
             self.write_failures += 1
             self.last_error = f"{self.path}: {type(e).__name__}: {e}"
-            return
-        self._saved = want
+        self._saved = want  # tried: the next write comes with the next change
 
     def _held(self, disk_only: bool) -> set[str]:
         out: set[str] = set()

@@ -11,6 +11,8 @@ memory, the action queue, the latest observation, the frame. `episode_start` and
 automatic per-cycle history (`auto-*`) are the engine's own capsule names; clients
 cannot write them. Restore is validate + stage, then swap (kv/capsule.py): a failed
 snapshot / restore / reset / rollback leaves the session and the store as they were.
+Every request ends once: a restore drops the requests the capsule holds whose final
+event has already left, here or in another process (engine/ended.py, docs/requests.md).
 """
 
 from __future__ import annotations
