@@ -33,7 +33,13 @@ from embodied_kv.storage.arena import ArenaSpec, KVArena
 from embodied_kv.storage.step import Segment, commit_step, plan_step, to_device
 
 MAX_POSITIONS = 32_768  # RoPE table rows (fp32, full width: 2 x 32 MiB at pi05); bounds max_len
-DENOISE_BUCKETS = (256, 512, 1024, 2048)  # prefix rows the action expert reads
+# prefix rows the action expert reads: every 64 up to 1024, where pi05 prefixes fall (2
+# cameras + text ~560-663, 3 ~820-921; 64 = the expert attention's 4 key blocks of 16, one
+# split's chunk), then 2048. With (256, 512, 1024) a 663-row prefix read 1,024 rows (32
+# splits, 13 MB of fp32 partials a call); now 704 (16 splits). At most 16 denoise graphs
+# per slot up to 1024 rows (engine/graphs.py captures those a fresh prefix can need).
+DENOISE_ROW_STEP = 64
+DENOISE_BUCKETS = (*range(DENOISE_ROW_STEP, 1025, DENOISE_ROW_STEP), 2048)
 
 
 def denoise_rows(prefix_len: int, max_len: int) -> int:

@@ -236,9 +236,12 @@ def test_denoise_replay_equals_eager_and_survives_restore(mode_model, graphs_on)
         m.graphs = runner
         assert torch.equal(want, got)
         chunks.append((n, noise, got))
-    assert len({n for n, _, _ in chunks}) == 3  # three prefix lengths, one graph
+    assert len({n for n, _, _ in chunks}) == 3  # three prefix lengths, one graph a bucket
+    buckets = {denoise_rows(n, graphed.spec.max_len) for n, _, _ in chunks}
+    assert len(buckets) < 3  # a graph replayed for another prefix length
     # 3 prefills, 3 chunks, and the vision tower of the 3 frames' 6 embeddings
-    assert len(runner._denoise) == 1 and runner.replays == 3 + 3 + 6
+    assert sorted(runner._denoise) == [(0, r) for r in sorted(buckets)]
+    assert runner.replays == 3 + 3 + 6
     # a restore copies into the same arena buffers: the graph still reads them
     ident = identity_of(m, graphed)
     cap = capture("c", graphed, None, ident)
@@ -252,8 +255,15 @@ def test_denoise_replay_equals_eager_and_survives_restore(mode_model, graphs_on)
 
 
 def test_denoise_rows_is_a_bucket_within_the_slot():
-    assert denoise_rows(1, 512) == 256 and denoise_rows(256, 512) == 256
-    assert denoise_rows(257, 512) == 512 and denoise_rows(300, 320) == 320
+    assert denoise_rows(1, 512) == 64 and denoise_rows(64, 512) == 64
+    assert denoise_rows(65, 512) == 128 and denoise_rows(300, 320) == 320
+    # pi05's prefixes (2 cameras ~560-663, 3 ~921) read at most 63 rows past their end
+    assert [denoise_rows(p, 2048) for p in (560, 663, 921)] == [576, 704, 960]
+    assert denoise_rows(1025, 4096) == 2048 and denoise_rows(2049, 4096) == 4096
+    for p in range(1, 1025):
+        assert 0 <= denoise_rows(p, 4096) - p < 64
+    # the graphs a slot can need stay bounded: one per 64 rows up to 1024
+    assert len({denoise_rows(p, 1024) for p in range(1, 1025)}) == 16
 
 
 # -- vision ------------------------------------------------------------------------------
@@ -363,7 +373,7 @@ def test_engine_captures_everything_at_warmup_and_nothing_during_cycles(
         assert chunks == eager_chunks and texts == eager_texts
     assert len(texts) >= 4
     assert chunks[3:5] == chunks[5:]  # restore replays the same actions
-    assert runner.arena.spec.max_len == 320  # auto; a tiny prefix (<= 128) reads 256 rows
-    assert sorted(runner._denoise) == [(s, 256) for s in range(3)]
+    assert runner.arena.spec.max_len == 320  # auto; a tiny prefix (<= 128) reads 64 or 128
+    assert sorted(runner._denoise) == [(s, r) for s in range(3) for r in (64, 128)]
     assert captured == runner.captures  # nothing captured after warmup
     assert runner.replays >= 7 * 2  # every cycle: a prefill and a chunk, plus decode steps

@@ -14,6 +14,7 @@ from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.rtc_guide import ChunkGuide
 from embodied_kv.model.rtc import RTCConfig, prefix_weights
 from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.model.vla import denoise_rows
 
 REPLAN = 5
 
@@ -65,7 +66,7 @@ def test_rtc_off_is_todays_denoise_path_in_bytes(tiny_model):
         obs = engine.robot.model_observation(synthetic_observation(m.cfg, c, "stack the cups"))
         m.prefill(arena, slot, m.embed_prefix(obs))
         n = arena.slot_len(slot)
-        rows = 256  # model/vla.py denoise_rows of a tiny prefix
+        rows = denoise_rows(n, arena.spec.max_len)
         plain = m.expert.sample(arena, slot, torch.tensor(n), m.make_noise(c), rows)
         want = engine.robot.actions_out(plain.float().numpy(), obs.robot_state)
         assert np.asarray(want, np.float64).tobytes() == got
@@ -90,7 +91,11 @@ def test_guided_graph_replay_equals_eager_in_bytes(tiny_model, guidance):
         eager, _ = run_engine(tiny_model, rtc)
         graphed, engine = run_engine(tiny_model, rtc, mode="emulate")
         assert graphed == eager
-        assert sorted(engine.graphs._guided) == [(s, 256, guidance, 5.0) for s in range(2)]
+        spec = engine.manager.arena.spec
+        longest = min(spec.max_len, tiny_model.cfg.prefix_tokens_max)
+        rows = sorted({denoise_rows(p, spec.max_len) for p in range(1, longest + 1)})
+        want = [(s, r, guidance, 5.0) for s in range(2) for r in rows]  # every row bucket
+        assert sorted(engine.graphs._guided) == want
         assert engine.loop.rtc.counters.last_delay == (2 if delay == "measured" else 3)
 
 

@@ -7,11 +7,13 @@ import torch
 
 from embodied_kv.kernels.decode_splitk import MAX_SPLITS
 from embodied_kv.kernels.expert_attention import (
+    chunk_blocks,
     expert_attention_kernel,
     expert_attention_ref,
     split_count,
 )
 from embodied_kv.kernels.prefill_tile import tile_config
+from embodied_kv.model.vla import DENOISE_BUCKETS
 
 from .conftest import DEVICE, FP32_TOL, HEADS, LOW_PRECISION_FACTOR
 
@@ -25,6 +27,8 @@ CASES = {
     "many_splits": (9, 300, 300),
     "masked_splits": (5, 320, 41),
     "capped": (2, 2100, 1999),
+    "pi05_bucket": (7, 704, 663),  # a 2-camera pi05 prefix in its 64-row bucket: a short
+    # last chunk (15 chunks of 48 rows over 704)
 }
 
 
@@ -71,7 +75,20 @@ def test_split_counts_cover_the_cases():
     assert counts["capped"] == MAX_SPLITS and counts["masked_splits"] >= 4
 
 
-@pytest.mark.parametrize("case", ["exact", "bucket", "masked_splits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_denoise_bucket_is_covered_by_its_splits(dtype):
+    """The row buckets the denoise graphs use (model/vla.py): the prefix chunks cover
+    every row, none starts past the bucket, and the splits stay within the reduce's cap."""
+    block_n = tile_config(dtype, 8).block_n
+    for rows in DENOISE_BUCKETS:
+        splits = split_count(rows, block_n)
+        chunk = chunk_blocks(rows, block_n, splits) * block_n
+        assert 2 <= splits <= MAX_SPLITS
+        assert (splits - 1) * chunk >= rows, (rows, splits, chunk)
+    assert split_count(704, block_n) < split_count(1024, block_n)  # fewer partials
+
+
+@pytest.mark.parametrize("case", ["exact", "bucket", "masked_splits", "pi05_bucket"])
 def test_kernel_low_precision(kernel, case):
     q, kp, vp, ks, vs, scale, bias = inputs(case, HEADS["pi05"], torch.bfloat16, seed=1)
     exact = finite_ref(q.float(), kp.float(), vp.float(), ks.float(), vs.float(), scale, bias)
