@@ -189,7 +189,8 @@ def run_segments(model, n: int, args, device: str) -> dict:
         family.insert(1, FullGraphs(runner))
         family.insert(3, PrefixGraphs(graph_cache, runner))  # after the eager prefix
         family.append(GraphKeep(runner, keep_cfg))
-    compute = lambda texts: compute_block(model, arena, work, texts)  # noqa: E731
+    graphs = family[1].runner if mode != "off" and not sweep else None  # full-graphs's
+    compute = lambda texts: compute_block(model, arena, work, texts, graphs)  # noqa: E731
     clock = device_clock(device)
     out = {m.name: {"ttft": [], "one_hop": [], "two_hop": [], "agree": [], "active": [],
                     "share": [], "same_answer": [], "capture": [], "one_hop_answers": []}

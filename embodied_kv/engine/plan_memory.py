@@ -50,11 +50,13 @@ class MemoryPlanner:
         self.keep_cfg = keep_cfg or KeepConfig()
         self.method = keep(self.keep_cfg)
         self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot)
+        self.runner: GraphRunner | None = None  # blocks computed from its step graphs
 
     def use_graphs(self, runner: GraphRunner) -> None:
         """KEEP's prefill replayed from graphs (engine/keep_graph.py): the first plan that
         no graph kept holds captures one, with room to grow, inside that plan's admission."""
         self.method = GraphKeep(runner, self.keep_cfg, "keep")
+        self.runner = runner
 
     def prefill_for(self, arena, text: str) -> Callable[[int], torch.Tensor] | None:
         """For a plan request's text: a function slot -> logits that prefills it with
@@ -77,7 +79,8 @@ class MemoryPlanner:
                 if work is None:
                     return whole(slot)
                 try:
-                    compute = lambda texts: compute_block(self.model, arena, work, texts)  # noqa: E731
+                    runner = self.runner if self.runner and self.runner.arena is arena else None
+                    compute = lambda texts: compute_block(self.model, arena, work, texts, runner)  # noqa: E731
                     self.memory.refresh(compute, units)
                 finally:
                     arena.release(work)

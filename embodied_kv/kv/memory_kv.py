@@ -44,18 +44,22 @@ def encode(model: VLA, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def compute_block(model: VLA, arena: KVArena, work_slot: int, texts: list[str]) -> KVBlock:
+def compute_block(model: VLA, arena: KVArena, work_slot: int, texts: list[str],
+                  runner=None) -> KVBlock:  # fmt: skip
     """KV of the segments `texts`, in order, computed together after the anchor (the
     memory header) in `work_slot`, which is left empty -> a block on the arena's device
     (a device copy: no host sync; the memory moves it to the host tier past its budget,
-    SegmentMemory.refresh)."""
+    SegmentMemory.refresh). `runner` (engine/graphs.py GraphRunner over this arena): the
+    step replayed from its packed-step graph (eager where no bucket holds it)."""
     anchor = encode(model, HEADER)
     pieces = [encode(model, piece(t)) for t in texts]
     ids = anchor + [i for p in pieces for i in p]
     if arena.slot_len(work_slot):
         raise ValueError(f"work slot {work_slot} is not empty ({arena.slot_len(work_slot)} rows)")
     try:
-        model.step(arena, [StepInput(work_slot, ids=torch.tensor(ids))])
+        step = [StepInput(work_slot, ids=torch.tensor(ids))]
+        if runner is None or runner.arena is not arena or runner.step(step) is None:
+            model.step(arena, step)
         a, n = len(anchor), len(ids)
         k = arena.k[:, work_slot, a:n].clone()
         v = arena.v[:, work_slot, a:n].clone()

@@ -60,3 +60,23 @@ def test_on_cuda_device_and_host_tier_blocks_give_the_reference_bytes(monkeypatc
             want = flat(rig.run(next(x for x in methods(rig.cache) if x.name == name)))
         for x, y in zip(got, want, strict=True):
             assert torch.equal(x, y), budget
+
+
+def test_a_block_computed_from_the_step_graphs_has_the_eager_bytes(world_model):
+    """compute_block through a GraphRunner (here its CPU emulation: the capture and
+    replay code the GPU runs) writes the bytes of the eager step, in one replay."""
+    from embodied_kv.engine.graphs import GraphRunner
+    from embodied_kv.kv.memory_kv import compute_block
+
+    arena = world_model.new_arena(3, 256)
+    work = arena.allocate()
+    runner = GraphRunner(world_model, arena, "emulate")
+    texts = ["the red box is on the shelf .", "the blue key is in the red box ."]
+    eager = compute_block(world_model, arena, work, texts)
+    graphed = compute_block(world_model, arena, work, texts, runner)
+    assert runner.replays == 1 and arena.slot_len(work) == 0
+    assert torch.equal(graphed.k, eager.k) and torch.equal(graphed.v, eager.v)
+    assert (graphed.pos0, graphed.spans) == (eager.pos0, eager.spans)
+    other = world_model.new_arena(2, 256)  # a runner over another arena is not used
+    compute_block(world_model, other, other.allocate(), texts, runner)
+    assert runner.replays == 1
