@@ -10,12 +10,13 @@ import numpy as np
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.admission import admit
 from embodied_kv.engine.events import TextEvent
+from embodied_kv.engine.noise_ahead import NoiseAhead
 from embodied_kv.engine.policy import LanguagePolicy, LoopConfig
 from embodied_kv.engine.rtc_guide import ChunkGuide
 from embodied_kv.kv.manager import KVCacheManager, Request, Status, TaskKind
 from embodied_kv.model.action_space import RobotIO, identity_io
 from embodied_kv.model.vla import Observation
-from embodied_kv.timing import device_clock
+from embodied_kv.timing import Stopwatch, device_clock
 
 
 @dataclass
@@ -80,25 +81,37 @@ class FrameLoop:
         self.robot = robot or identity_io(c.state_dim, c.action_dim)  # model units -> robot
         self.policy = policy or LanguagePolicy(cfg)
         # every timed region waits for the device's queued work (embodied_kv/timing.py)
-        self.clock = clock or device_clock(self.model.device)
+        self.clock = clock or device_clock(self.model.device)  # also sets self.watch
+        self.noise = NoiseAhead(c.action_horizon, c.action_dim, self.model.device)
         self.cost = StepCost(cfg.cost_ema)
         self.counters = LoopCounters()
         self._starved = 0  # cycles in a row that decoded nothing while requests were live
         self.planner = None  # engine/plan_memory.py MemoryPlanner in `keep` mode
 
+    @property
+    def clock(self):
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self._clock = clock
+        # prefill -> denoise without a device sync between them (CUDA events)
+        self.watch = Stopwatch(self.model.device, clock)
+
     def cycle(self, obs: Observation, frame: int, tick: int) -> CycleResult:
         """Frame `frame`, observed at control tick `tick`: its chunk covers tick.. on."""
         cfg, manager = self.cfg, self.manager
-        t0 = self.clock()
+        t0 = self.watch.start()  # the cycle's boundary: nothing of this cycle queued yet
         deadline = t0 + cfg.period_s
 
         # (a) the one prefill of this observation
         fp = manager.prefill_frame(frame, self.model.embed_prefix(obs))
-        t_prefill = self.clock()
+        prefilled = self.watch.mark()  # no sync: the denoise queues right behind it
 
         try:
-            # (b) the action expert reads the same slot: the hard deadline
-            noise = self.model.make_noise(cfg.seed + frame)
+            # (b) the action expert reads the same slot: the hard deadline; its noise was
+            # drawn after the last chunk (engine/noise_ahead.py), make_noise's bytes
+            noise = self.noise.take(cfg.seed + frame)
             guide = self.rtc.guide(self.queue, tick) if self.rtc is not None else None
             chunk = self.model.sample_actions(
                 manager.arena, fp.slot, fp.prefix_len, noise, fp.compressed, guide,
@@ -109,6 +122,8 @@ class FrameLoop:
             self.queue.push(chunk, tick, model_chunk if self.rtc is not None else None)
             t_action = self.clock()
             self.counters.action_late += int(t_action > deadline)
+            prefill_s = self.watch.seconds(prefilled)  # the device is done with it by now
+            self.noise.draw(cfg.seed + frame + 1)  # the next frame's, off the action path
 
             # language tasks of this frame continue from the same prefix (admission.py)
             events = admit(manager, self.policy, fp, self.model.tokenizer, self.planner)
@@ -124,7 +139,7 @@ class FrameLoop:
         self.counters.cycles += 1
         self.counters.overruns += int(t_end > deadline)
         return CycleResult(
-            frame, chunk, fp.prefix_len, t_prefill - t0, t_action - t0, steps, t_end - t0, events
+            frame, chunk, fp.prefix_len, prefill_s, t_action - t0, steps, t_end - t0, events
         )
 
     def _decode_until(self, deadline: float) -> int:

@@ -1,6 +1,10 @@
 """OxyGen's claims as tests: shared prefill, cross-frame batching, deadlines, slots."""
 
+import sys
+
 import numpy as np
+import pytest
+import torch
 
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import FrameLoop
@@ -8,6 +12,7 @@ from embodied_kv.engine.isolated import IsolatedRunner
 from embodied_kv.engine.policy import LoopConfig
 from embodied_kv.kv.manager import KVCacheManager, TaskKind
 from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.timing import Stopwatch
 
 MAX_LEN = 512
 
@@ -211,3 +216,84 @@ def test_answer_requests_use_the_question(tiny_model):
     ev.update({e.request_id: e for e in loop.finish_all() if e.done})
     assert ev[a1].kind is TaskKind.ANSWER and set(ev) == {a1, a2}
     assert loop.manager.counters.requests == 2
+
+
+def test_noise_drawn_ahead_is_make_noise_in_bytes_and_off_the_action_path(tiny_model):
+    """Frames 0, 1, 2 in order, then a jump to 7: the loop's chunks are the chunks of
+    `make_noise(seed + frame)` (a private prefill), bytes; frames 1 and 2 find their noise
+    drawn ahead (after the previous chunk), the first and the jump draw it then."""
+    m = tiny_model
+    cfg = LoopConfig(period_s=10.0, narrate_every=0)
+    loop = make_loop(m, cfg)
+    obs = observations(m, 4)
+    frames = (0, 1, 2, 7)
+    pairs = enumerate(zip(obs, frames, strict=True))
+    got = [loop.cycle(o, f, tick=5 * i).chunk for i, (o, f) in pairs]
+    assert (loop.noise.hits, loop.noise.misses) == (2, 2)
+    assert loop.noise.seed == cfg.seed + 8  # frame 8's noise waits in the buffer
+    for o, f, chunk in zip(obs, frames, got, strict=True):
+        arena = m.new_arena(1, MAX_LEN)
+        slot = arena.allocate()
+        prefix = m.embed_prefix(o)
+        m.prefill(arena, slot, prefix)
+        want = m.sample_actions(arena, slot, prefix.embeds.shape[0], m.make_noise(cfg.seed + f))
+        assert np.asarray(want.numpy(), np.float64).tobytes() == chunk.tobytes(), f
+
+
+def test_no_clock_read_between_prefill_and_denoise(tiny_model):
+    """On CUDA the loop's clock synchronizes the device (embodied_kv/timing.py): the cycle
+    reads it at its start, once the chunk is on the host and after, never between the
+    prefill and the denoise (there the CUDA path records an event); prefill_s still
+    measures the prefill (its mark on the CPU is the clock at that point)."""
+    log = []
+    t = [0.0]
+
+    def clock():
+        t[0] += 1.0
+        log.append((f"clock@{sys._getframe(1).f_code.co_name}", t[0]))
+        return t[0]
+
+    c = tiny_model.cfg
+    queue = ActionQueue(c.action_horizon, c.action_dim)
+    loop = FrameLoop(KVCacheManager(tiny_model, 4, MAX_LEN), queue,
+                     LoopConfig(period_s=1e9, narrate_every=0), clock=clock)  # fmt: skip
+    prefill, sample = loop.manager.prefill_frame, loop.model.sample_actions
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            log.append((name + ":in", None))
+            out = fn(*args, **kwargs)
+            log.append((name + ":out", None))
+            return out
+
+        return call
+
+    loop.manager.prefill_frame = logged("prefill", prefill)
+    loop.model.sample_actions = logged("sample", sample)
+    try:
+        res = loop.cycle(observations(tiny_model, 1)[0], 0, tick=0)
+    finally:
+        del loop.model.sample_actions  # the instance attribute: the method again
+    names = [n for n, _ in log]
+    between = names[names.index("prefill:out") + 1 : names.index("sample:in")]
+    # only the Stopwatch's mark, which on CUDA records an event and reads no clock
+    assert between == ["clock@mark"], between
+    assert names[:2] == ["clock@start", "prefill:in"]  # the cycle's boundary
+    after = names[names.index("sample:out") :]
+    assert after.count("clock@cycle") >= 2  # once the chunk is on the host, and the end
+    assert res.prefill_s == 1.0 and res.action_s > res.prefill_s  # fake seconds
+
+
+def test_stopwatch_marks_read_no_clock_on_cuda():
+    """The CUDA branch: a mark is an event, the clock is read by start() only."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA events need a GPU")
+    reads = []
+    watch = Stopwatch("cuda", lambda: reads.append(1) or torch.cuda.synchronize() or 0.0)
+    watch.start()
+    x = torch.randn(512, 512, device="cuda")
+    point = watch.mark()
+    y = x @ x  # queued behind the mark
+    assert len(reads) == 1 and isinstance(point, torch.cuda.Event)
+    y.cpu()
+    assert watch.seconds(point) >= 0.0
