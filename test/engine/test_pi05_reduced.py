@@ -15,7 +15,7 @@ from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
 
 LAYERS, VISION_LAYERS = 2, 1
-BUDGET = 6  # tokens per narration / answer
+BUDGET = 8  # tokens per narration / answer: > 2 cycles of STEPS (nothing ends before a restore)
 STEPS = 3  # decode steps per cycle
 
 

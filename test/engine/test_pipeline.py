@@ -137,13 +137,16 @@ def test_capsule_mid_run_resumes_token_exactly(ar_model):
     drive(engine, 11, ask=(3,))
     assert engine.loop.flow.in_flight() == 7  # frames in flight are part of the capsule
     engine.snapshot("mid")
+    base = {r.split("@")[0] for r in engine.manager.requests}
     before = drive(engine, 9, start=11, ask=(12,))
     engine.restore("episode_start")
     drive(engine, 5, start=100)  # another episode overwrites the ring
     engine.restore("mid")
     after = drive(engine, 9, start=11, ask=(12,))
-    assert after == before
-    assert any(isinstance(k, str) and k.startswith("answer-") for k, _ in before[0])
+    # the requests live at "mid" ended above: a restore does not replay them (one final
+    # event per id, docs/requests.md); everything else resumes token for token
+    assert base and after == ([x for x in before[0] if x[0] not in base], before[1])
+    assert any(isinstance(k, str) and k.startswith("answer-") for k, _ in after[0])
 
 
 def test_language_in_the_same_packed_step_equals_separate_steps(ar_model):
