@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from embodied_kv.engine.graph_emulation import record
-from embodied_kv.kernels.packed_attention import ROW_BUCKET
+from embodied_kv.kernels.packed_attention import row_bucket
 from embodied_kv.model.rtc import sample_guided
 from embodied_kv.model.vla import VLA, StepInput, denoise_rows
 from embodied_kv.storage.arena import KVArena
@@ -108,10 +108,11 @@ class GraphRunner:
         self.enabled = mode != "off"
         # a bucket b serves n tokens when its padding b - n fits the scratch slot (max_len
         # rows) and n fits the slots: b <= (num_slots + 1) * max_len. plan_step pads every
-        # step to a ROW_BUCKET multiple (probed on the host: 32 on the H100 machine's Xeon),
-        # so only multiples of it can hold a step as planned.
+        # step to a multiple of the arena's row bucket (on the CPU the host's probe, 32 on
+        # the H100 machine's Xeon; on CUDA 8), so only multiples of it can hold a step.
         most = (arena.spec.num_slots + 1) * arena.spec.max_len
-        self.step_buckets = tuple(b for b in step_buckets if b <= most and b % ROW_BUCKET == 0)
+        size = row_bucket(arena.device)
+        self.step_buckets = tuple(b for b in step_buckets if b <= most and b % size == 0)
         self._steps: dict[int, StaticStep] = {}
         self._denoise: dict[tuple[int, int], tuple] = {}
         self._guided: dict[tuple, tuple] = {}  # (slot, rows, guidance, beta): RTC's loop
@@ -162,7 +163,7 @@ class GraphRunner:
         """The step bucket for n tokens: the smallest that holds them with its padding
         within the scratch slot; None if none does."""
         limit = self.arena.spec.max_len
-        # every bucket is a ROW_BUCKET multiple: b >= n is b >= what plan_step pads n to
+        # every bucket is a row-bucket multiple: b >= n is b >= what plan_step pads n to
         return next((b for b in self.step_buckets if n <= b <= n + limit), None)
 
     @torch.no_grad()

@@ -88,6 +88,21 @@ def _row_bucket() -> int:
 
 ROW_BUCKET = _row_bucket()  # tokens per step and GEMM rows per run are padded to a multiple
 KEY_BLOCK = 64  # keys per run are padded to a multiple of this
+# On a CUDA arena the probe's reason does not hold: it is about the host CPU's fp32 GEMMs
+# (on the H100 machine's Xeon it gave 32: every decode padded to 32 rows, logits
+# [32, 257152] fp32, 33 MB a step). CUDA results are not made batch-invariant by padding
+# (cuBLAS picks its kernel per shape), and eager and graph steps agree through the graph
+# buckets (engine/graphs.py STEP_BUCKETS, all multiples of 8), not through this size. 8 is
+# the smallest side of a tensor-core MMA (m16n8k16; skinny GEMMs put the tokens on it), so
+# fewer rows would not save a cycle, and it keeps the LM head at [8, V] for up to 8 slots.
+CUDA_ROW_BUCKET = 8
+
+
+def row_bucket(device: torch.device | str) -> int:
+    """Tokens a packed step on `device` is padded to a multiple of: ROW_BUCKET (the host
+    CPU's probe) on the CPU, CUDA_ROW_BUCKET on CUDA."""
+    return CUDA_ROW_BUCKET if torch.device(device).type == "cuda" else ROW_BUCKET
+
 
 Run = tuple[int, int, int]  # (slot, first token index, number of tokens)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kernels.packed_attention import KEY_BLOCK, ROW_BUCKET
+from embodied_kv.kernels.packed_attention import KEY_BLOCK, row_bucket
 
 # Headroom kept free on a CUDA device after the arena (activations, graphs, cuBLAS workspace).
 CUDA_HEADROOM_BYTES = 2 << 30
@@ -55,7 +55,7 @@ class KVArena:
         self.length = torch.zeros(spec.num_layers, spec.num_slots + 1, dtype=torch.int64)
         self.next_pos = torch.zeros(spec.num_slots + 1, dtype=torch.int64)
         self._free = list(range(spec.num_slots))
-        assert ROW_BUCKET <= spec.max_len
+        assert row_bucket(device) <= spec.max_len
 
     @property
     def scratch_slot(self) -> int:

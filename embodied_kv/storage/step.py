@@ -3,7 +3,7 @@
 A step is a list of segments, each some new tokens of one slot. Laid out flat:
 
     token:   | s2 s2 s2 s2 | s0 | s5 | pad pad ... pad |
-    segment: | prefill(4)  | dec| dec| scratch slot    |   padded once, to a ROW_BUCKET multiple
+    segment: | prefill(4)  | dec| dec| scratch slot    |   padded once, to a row_bucket multiple
 
 Token j of a segment of slot s (rows already valid: len) writes row len + j and reads
 rows [0, len + j + 1) if the segment is causal, [0, len + n) if bidirectional (the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embodied_kv.kernels.packed_attention import Run, bucket
+from embodied_kv.kernels.packed_attention import Run, bucket, row_bucket
 from embodied_kv.storage.arena import KVArena
 
 
@@ -55,7 +55,7 @@ class PackedStep:
 def logit_rows(arena: KVArena) -> int:
     """Rows of every step's LM-head GEMM: one per possible segment (a step's slots are
     distinct), bucketed, so eager steps and graphs run the same GEMM shape."""
-    return bucket(arena.spec.num_slots)
+    return bucket(arena.spec.num_slots, row_bucket(arena.device))
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -71,8 +71,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def plan_step(
     arena: KVArena, segments: list[Segment] | tuple[Segment, ...], pad_to: int = 0
 ) -> PackedStep:
-    """Lay out a step, padded to `pad_to` tokens (a graph's bucket) or the next ROW_BUCKET
-    multiple; ValueError if a slot is repeated, unknown or would overflow."""
+    """Lay out a step, padded to `pad_to` tokens (a graph's bucket) or the next multiple of
+    the arena's `row_bucket` (the host's ROW_BUCKET on the CPU, 8 on CUDA); ValueError if
+    a slot is repeated, unknown or would overflow."""
     if not segments:
         raise ValueError("a packed step needs at least one segment")
     spec = arena.spec
@@ -89,7 +90,7 @@ def plan_step(
                 f"slot {seg.slot} holds {h} rows; {seg.n} more exceed max_len={spec.max_len}"
             )
     n_real = sum(s.n for s in segments)
-    n_pad = max(bucket(n_real), pad_to)
+    n_pad = max(bucket(n_real, row_bucket(arena.device)), pad_to)
     if n_pad - n_real > spec.max_len:
         raise ValueError(
             f"padding {n_pad - n_real} tokens exceeds the scratch slot ({spec.max_len})"

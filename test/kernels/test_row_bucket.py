@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -49,3 +50,33 @@ def test_a_bad_bucket_is_refused_with_the_choices():
     proc = run_with_bucket("5", "-c", "import embodied_kv.kernels.packed_attention")
     assert proc.returncode != 0 and "EMBODIED_KV_ROW_BUCKET='5'" in proc.stderr
     assert str(ROW_BUCKETS) in proc.stderr
+
+
+def test_cuda_arenas_pad_to_their_own_bucket_whatever_the_host_probes():
+    """The H100 host's Xeon probes 32; a CUDA arena's steps and LM head still use 8 rows
+    (CUDA_ROW_BUCKET), a CPU arena's the probe's 32."""
+    check = (
+        "from types import SimpleNamespace as N; import torch\n"
+        "from embodied_kv.kernels.packed_attention import row_bucket, CUDA_ROW_BUCKET\n"
+        "from embodied_kv.storage.step import logit_rows\n"
+        "arena = lambda d: N(device=torch.device(d), spec=N(num_slots=5))\n"
+        "print(row_bucket('cpu'), row_bucket('cuda'), row_bucket(torch.device('cuda', 0)),\n"
+        "      logit_rows(arena('cpu')), logit_rows(arena('cuda')), CUDA_ROW_BUCKET)\n"
+    )
+    proc = run_with_bucket("32", "-c", check)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["32", "8", "8", "32", "8", "8"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA arena needs a GPU")
+def test_a_cuda_decode_is_padded_to_the_cuda_bucket():
+    from embodied_kv.kernels.packed_attention import CUDA_ROW_BUCKET
+    from embodied_kv.model.config import get_preset
+    from embodied_kv.model.vla import build_model
+    from embodied_kv.storage.step import Segment, logit_rows, plan_step
+
+    m = build_model(get_preset("tiny"), "cuda")
+    arena = m.new_arena(4, 256)
+    slot = arena.allocate()
+    assert plan_step(arena, [Segment(slot, 1, True)]).n_padded == CUDA_ROW_BUCKET
+    assert logit_rows(arena) == CUDA_ROW_BUCKET
