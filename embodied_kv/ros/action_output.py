@@ -124,4 +124,5 @@ class ActionOutput(Worker):
             "interval_p99_ms": summary.gap_p99_ms if summary else 0.0,
             "jitter_p99_ms": summary.jitter_p99_ms if summary else 0.0,
             "lateness_p99_ms": float(np.percentile(lateness, 99) * 1e3) if len(lateness) else 0.0,
+            "lateness_max_ms": float(lateness.max() * 1e3) if len(lateness) else 0.0,  # ~5 s
         }

@@ -105,15 +105,17 @@ def test_service_hammering_never_stalls_the_action_stream(robot, tmp_path):
     line = (f"{sum(calls.values())} calls {calls} in {t1 - t0:.1f} s; {len(window)} actions: "
             f"{rate:.2f} Hz, gap p99 {np.percentile(gaps, 99) * 1e3:.1f} ms, "
             f"max {gaps.max() * 1e3:.1f} ms; {lost} responses lost")  # fmt: skip
-    print(f"\n{line}")
-    assert all(not h.is_alive() for h in hammers), line
-    assert all(h.calls - h.lost >= 5 and not h.failures for h in hammers), (
-        line, [h.failures[:3] for h in hammers])  # fmt: skip
-    assert abs(rate - RATE_HZ) <= 0.01 * RATE_HZ, line
-    assert gaps.max() <= 3 * PERIOD_S, line
-    time.sleep(1.0)  # the next /diagnostics
+    time.sleep(0.6)  # the next /diagnostics: the robot's own view of the same seconds
     robot.wait_until(lambda: robot.diagnostics is not None, "/diagnostics")
     output = {kv.key: kv.value for s in robot.diagnostics.status for kv in s.values
               if s.name == "embodied_kv: action output"}  # fmt: skip
+    line += (f"; robot side: lateness max {output['lateness_max_ms']} ms over its last 256 "
+             f"ticks, full GC pause max {output['gc_full_pause_max_ms']} ms")  # fmt: skip
+    print(f"\n{line}")
+    failures = [h.failures[:3] for h in hammers]
+    assert all(not h.is_alive() for h in hammers), line
+    assert all(h.calls - h.lost >= 5 and not h.failures for h in hammers), (line, failures)
+    assert abs(rate - RATE_HZ) <= 0.01 * RATE_HZ, line
+    assert gaps.max() <= 3 * PERIOD_S, line
     assert float(output["gc_full_pause_max_ms"]) < PERIOD_S * 1e3, output
     assert int(output["gc_frozen_objects"]) > 100_000, output
