@@ -77,7 +77,7 @@ class ActionOutput(Worker):
         self.clock, self._pop, self._publish, self._log_error = clock, pop, publish, log_error
         self.counters = OutputCounters()
         self.publish_times = RateProbe(clock.period_s, keep=4096)
-        self._lateness: deque[float] = deque(maxlen=256)  # s past due, of the last ticks
+        self._lateness: deque[float] = deque(maxlen=1024)  # s past due, of the last ~20 s
         self._started = False  # a fresh action has left since start()
 
     def _on_start(self) -> None:
@@ -124,5 +124,5 @@ class ActionOutput(Worker):
             "interval_p99_ms": summary.gap_p99_ms if summary else 0.0,
             "jitter_p99_ms": summary.jitter_p99_ms if summary else 0.0,
             "lateness_p99_ms": float(np.percentile(lateness, 99) * 1e3) if len(lateness) else 0.0,
-            "lateness_max_ms": float(lateness.max() * 1e3) if len(lateness) else 0.0,  # ~5 s
+            "lateness_max_ms": float(lateness.max() * 1e3) if len(lateness) else 0.0,  # ~20 s
         }
