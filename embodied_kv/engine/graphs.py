@@ -75,7 +75,9 @@ class StaticStep:
             (), n, self.slot, self.position, self.row, self.kv_len, None, None, [],
             self.last_index,
         )  # fmt: skip
-        self.logits: torch.Tensor | None = None  # [logit_rows, V] fp32, the graph's output
+        # [logit_rows, W] the graph's output: the rows the LM head reads. The head runs
+        # after the replay (VLA.step), or later for a frame's prefill (model/lazy_logits.py)
+        self.rows: torch.Tensor | None = None
         self.replay: Callable[[], None] | None = None
 
     def load(self, plan: PackedStep, x: torch.Tensor) -> None:
@@ -153,9 +155,9 @@ class GraphRunner:
 
         def fwd():
             hidden = bb(st.x, st.plan, self.arena)  # [n, W]
-            return bb.logits(hidden, st.last_index)  # [logit_rows, V] fp32
+            return bb.head_rows(hidden, st.last_index)  # [logit_rows, W]
 
-        st.replay, st.logits = self.graph_of(fwd)
+        st.replay, st.rows = self.graph_of(fwd)
         self._steps[n] = st
         return st
 
@@ -170,6 +172,18 @@ class GraphRunner:
     def step(self, inputs: list[StepInput]) -> torch.Tensor | None:
         """Replay the packed step; logits [len(inputs), V] on the device, or None (no
         bucket holds the step, or graphs are off: eager instead)."""
+        rows = self._replay(inputs)  # the static buffer: the head reads it before any replay
+        return None if rows is None else self.model.backbone.head(rows)[: len(inputs)]
+
+    @torch.no_grad()
+    def step_rows(self, inputs: list[StepInput]) -> torch.Tensor | None:
+        """Replay the packed step without its LM head -> the rows the head reads
+        [logit_rows, W] (a copy), or None as `step`."""
+        rows = self._replay(inputs)
+        # a copy: the static buffer is overwritten by the next replay of this bucket
+        return None if rows is None else rows.clone()
+
+    def _replay(self, inputs: list[StepInput]) -> torch.Tensor | None:
         if not self.enabled or not inputs:
             return None
         size = self.bucket(sum(i.n for i in inputs))
@@ -181,8 +195,7 @@ class GraphRunner:
         st.replay()
         self.replays += 1
         commit_step(self.arena, plan)
-        # a copy: the static buffer is overwritten by the next replay of this bucket
-        return st.logits[: len(inputs)].clone()
+        return st.rows  # [logit_rows, W] static
 
     # -- denoising -------------------------------------------------------------------
 

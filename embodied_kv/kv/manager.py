@@ -31,6 +31,7 @@ from embodied_kv.kv.compress import (
     StatsRecorder,
     compact,
 )
+from embodied_kv.model.lazy_logits import LazyLogits
 from embodied_kv.model.vla import VLA, Prefix, StepInput
 from embodied_kv.storage.arena import KVArena
 from embodied_kv.timing import synchronize
@@ -57,7 +58,8 @@ class FramePrefix:
     frame: int
     slot: int
     prefix_len: int
-    logits: torch.Tensor  # [V] after the prefix's last token
+    logits: torch.Tensor | LazyLogits  # [V] after the prefix's last token (lazy: the head
+    # runs on first read, after the action)
     prompt_truncated: bool
     adopted: bool = False  # a request owns the slot now
     # VL-Cache (kv/compress.py): the prefill's statistics until the rows to keep are chosen
@@ -135,7 +137,8 @@ class KVCacheManager:
         self.counters.prompts_truncated += int(prefix.prompt_truncated)
         layout = PrefixLayout(prefix.embeds.shape[0], prefix.n_image)
         recorder = self.compressor.recorder(slot, layout)  # VL-Cache statistics, or None
-        logits = self.model.prefill(self.arena, slot, prefix, observer=recorder)
+        # the LM head runs only if a request reads the logits (model/lazy_logits.py)
+        logits = self.model.prefill(self.arena, slot, prefix, observer=recorder, lazy=True)
         fp = FramePrefix(frame, slot, layout.n_rows, logits, prefix.prompt_truncated)
         if self.compress.enabled and layout.n_image:
             fp.pending = (layout, recorder)

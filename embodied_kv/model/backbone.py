@@ -123,9 +123,17 @@ class GemmaBackbone(nn.Module):
         [Np, W] -> [R, V] fp32.
 
         The caller keeps R fixed (storage/step.py `logit_rows`, a ROW_BUCKET multiple), so a
-        row's logits do not depend on how many others are computed with it."""
-        h = hidden.index_select(0, index)
-        return (h @ self.embed_tokens.weight.t()).float()
+        row's logits do not depend on how many others are computed with it. The same as
+        `head(head_rows(hidden, index))`, which callers may run apart (model/lazy_logits.py)."""
+        return self.head(self.head_rows(hidden, index))
+
+    def head_rows(self, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The rows `index` [R] of hidden [Np, W] -> [R, W]: what the LM head reads."""
+        return hidden.index_select(0, index)
+
+    def head(self, rows: torch.Tensor) -> torch.Tensor:
+        """Tied LM head: rows [R, W] -> logits [R, V] fp32."""
+        return (rows @ self.embed_tokens.weight.t()).float()
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from embodied_kv.kernels.triton_base import as_dtype
 from embodied_kv.model.backbone import GemmaBackbone
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.expert import ActionExpert
+from embodied_kv.model.lazy_logits import LazyLogits
 from embodied_kv.model.prompt import make_tokenizer, tokenize_prompt
 from embodied_kv.model.rtc import Guide, RTCConfig, sample_guided
 from embodied_kv.model.vision import VisionEncoder
@@ -163,14 +164,30 @@ class VLA(nn.Module):
         runs eagerly, padded to `pad_to` tokens if given (a graph's shapes). An `observer`
         (GemmaBackbone.forward) always runs eagerly: a graph has no place to call it."""
         if self.graphs is not None and self.graphs.arena is arena and observer is None:
-            logits = self.graphs.step(inputs)
+            logits = self.graphs.step(inputs)  # the head reads the graph's rows in place
             if logits is not None:
                 return logits
+        rows = self._eager_rows(arena, inputs, pad_to, observer)
+        return self.backbone.head(rows)[: len(inputs)]
+
+    @torch.no_grad()
+    def step_rows(
+        self, arena: KVArena, inputs: list[StepInput], pad_to: int = 0, observer=None
+    ) -> torch.Tensor:
+        """`step` without its LM head: the rows the head reads, [logit_rows, W] (row i is
+        input i's last token; `backbone.head` of them is `step`'s logits, same bytes)."""
+        if self.graphs is not None and self.graphs.arena is arena and observer is None:
+            rows = self.graphs.step_rows(inputs)
+            if rows is not None:
+                return rows
+        return self._eager_rows(arena, inputs, pad_to, observer)
+
+    def _eager_rows(self, arena, inputs, pad_to, observer) -> torch.Tensor:
         segments = [Segment(i.slot, i.n, i.causal) for i in inputs]
         plan = plan_step(arena, segments, pad_to)
         hidden = self.backbone(self.embed_inputs(inputs, plan.n_padded), plan, arena, observer)
         commit_step(arena, plan)
-        return self.backbone.logits(hidden, plan.last_index)[: len(inputs)]
+        return self.backbone.head_rows(hidden, plan.last_index)
 
     def embed_inputs(self, inputs: list[StepInput], n_padded: int) -> torch.Tensor:
         """The step's token embeddings laid out flat, zero rows as padding -> [n_padded, W].
@@ -198,14 +215,21 @@ class VLA(nn.Module):
             start += inp.n
         return x
 
-    def prefill(self, arena: KVArena, slot: int, prefix: Prefix, observer=None) -> torch.Tensor:
+    def prefill(
+        self, arena: KVArena, slot: int, prefix: Prefix, observer=None, lazy: bool = False
+    ) -> torch.Tensor | LazyLogits:
         """Bidirectional prefix into an empty slot -> logits [V] of its last token. The
-        prefix's tokens are rows [0, P) of the step (an `observer` sees them so)."""
+        prefix's tokens are rows [0, P) of the step (an `observer` sees them so).
+
+        `lazy`: the LM head runs when the logits are first read (model/lazy_logits.py): a
+        frame's prefill, whose logits only a language request reads, after the action."""
         if arena.slot_len(slot):
             raise ValueError(
                 f"prefill needs an empty slot; slot {slot} holds {arena.slot_len(slot)} rows"
             )
         inputs = [StepInput(slot, embeds=prefix.embeds, causal=False)]
+        if lazy:
+            return LazyLogits(self.step_rows(arena, inputs, observer=observer), self.backbone.head)
         return self.step(arena, inputs, observer=observer)[0]
 
     def append(self, arena: KVArena, slot: int, ids: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from embodied_kv.engine.action_queue import ActionQueue
 from embodied_kv.engine.frame_loop import FrameLoop
@@ -297,3 +298,64 @@ def test_stopwatch_marks_read_no_clock_on_cuda():
     assert len(reads) == 1 and isinstance(point, torch.cuda.Event)
     y.cpu()
     assert watch.seconds(point) >= 0.0
+
+
+class HeadCalls(TorchDispatchMode):
+    """GEMMs whose output is [R, vocab]: the tied LM head, as the dispatcher sees it."""
+
+    def __init__(self, vocab, log):
+        super().__init__()
+        self.vocab, self.log = vocab, log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and (
+            out.shape[-1] == self.vocab
+        ):
+            self.log.append(("head", None))
+        return out
+
+
+@pytest.mark.parametrize("graphs", ["off", "emulate"])
+def test_the_lm_head_runs_only_for_a_language_request_after_the_action(tiny_model, graphs):
+    """No request on a frame: its prefill runs no LM head. A question on a frame: the head
+    runs after the chunk (when the request starts), and the request's first token comes
+    from the same logits as an eager prefill's (bytes)."""
+    from embodied_kv.engine.graphs import GraphRunner
+    from embodied_kv.model.lazy_logits import LazyLogits
+
+    m = tiny_model
+    loop = make_loop(m, LoopConfig(period_s=1e9, narrate_every=0, max_decode_steps=1))
+    if graphs == "emulate":
+        m.graphs = GraphRunner(m, loop.manager.arena, mode="emulate")
+    log = []
+    sample = m.sample_actions
+
+    def logged(*args, **kwargs):
+        out = sample(*args, **kwargs)
+        log.append(("sample:out", None))
+        return out
+
+    m.sample_actions = logged
+    obs = observations(m, 2)
+    try:
+        with HeadCalls(m.cfg.vocab_size, log):
+            loop.cycle(obs[0], 0, tick=0)
+            quiet = [n for n, _ in log]
+            log.clear()
+            loop.policy.ask("where is the cup?")
+            loop.cycle(obs[1], 1, tick=5)
+    finally:
+        del m.sample_actions
+        m.graphs = None
+    assert quiet == ["sample:out"]  # no head: nothing read the frame's logits
+    names = [n for n, _ in log]
+    first_head = names.index("head")
+    assert names.index("sample:out") < first_head  # the head after the chunk
+    # the lazy logits are the eager head's, bytes (the same [R, W] x [W, V] GEMM)
+    arena = m.new_arena(2, MAX_LEN)
+    a, b = arena.allocate(), arena.allocate()
+    prefix = m.embed_prefix(obs[1])
+    lazy = m.prefill(arena, a, prefix, lazy=True)
+    assert isinstance(lazy, LazyLogits) and not lazy.computed
+    assert torch.equal(lazy.value(), m.prefill(arena, b, prefix)) and lazy.computed

@@ -73,9 +73,11 @@ def test_cached_table_is_the_per_action_bytes_and_computed_once(dtype):
         ctx = m.expert.context(None, m.cfg.action_horizon, torch.tensor(n), 256, "cpu", None, mod)
         x = m.make_noise(1).float()
         for k in range(m.cfg.denoise_steps):
-            x = x + (-1.0 / m.cfg.denoise_steps) * m.expert.velocity_at(
-                x, ctx, k, arena, slot, torch.tensor(n)
-            ).float()
+            x = (
+                x
+                + (-1.0 / m.cfg.denoise_steps)
+                * m.expert.velocity_at(x, ctx, k, arena, slot, torch.tensor(n)).float()
+            )
     assert torch.equal(x, first)
 
 
