@@ -44,7 +44,8 @@ def test_path_answers_train_two_hop_plans_container_first():
     assert longer > 3
 
 
-# the world_ramp run's data flags (runs/world_ramp/flags): its samples before issue 34
+# the world_ramp run's data flags (its flags file is under
+# bench/results/2026-11-26-cpu-intel-xeon-2core/): its samples before issue 34
 RAMP = DataConfig(text_mix=(.2, .6, .05, .15), turns=8, memory_objects=8, memory_updates=24,
                   memory_hard=0.5, two_hop_answer="path")  # fmt: skip
 
