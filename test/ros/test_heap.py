@@ -33,8 +33,9 @@ def test_configure_freezes_the_startup_heap_and_cleanup_thaws_it(ros):
     node = owner.add(KvManagerNode(context=owner.context, namespace=ros.namespace,
                                    parameter_overrides=cpu))  # fmt: skip
     heap.thaw()
-    before = len(gc.get_objects())  # this process's whole heap: torch, rclpy, pytest
     unfrozen_ms = full_collection_ms()  # what one full collection costs without the freeze
+    # counted after that collection: earlier tests' garbage is not part of the live heap
+    before = len(gc.get_objects())  # this process's whole heap: torch, rclpy, pytest
     assert node.trigger_configure() == TransitionCallbackReturn.SUCCESS
     assert heap.frozen() >= before  # everything alive at configure, the engine included
     times = sorted(full_collection_ms() for _ in range(5))
