@@ -29,3 +29,16 @@ if torch is not None and not torch.cuda.is_available():
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if torch is not None:
     torch.set_num_threads(1)
+
+
+if torch is not None:
+    import pytest
+
+    @pytest.fixture
+    def one_thread():
+        """One intra-op thread for a test that must not inherit another test's setting
+        (the product runs torch on one CPU thread: docs/ros.md)."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        yield
+        torch.set_num_threads(before)

@@ -5,19 +5,12 @@ skill); the real run (shipped weights) is bench/results/.../rtc_quick.json."""
 
 import numpy as np
 import pytest
-import torch
 
 from embodied_kv.bench import rtc as bench
 
 from ..kv.conftest import world_model  # noqa: F401
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/conftest.py
 
 
 @pytest.mark.parametrize("delay", [2, 8])

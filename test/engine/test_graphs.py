@@ -38,14 +38,7 @@ from embodied_kv.model.vla import StepInput, build_model, denoise_rows
 MODES = ["emulate", "emulate-bf16"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The product runs torch on one CPU thread (docs/ros.md); two threads on a busy 2-core
-    machine made these tests ~40x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/conftest.py
 
 
 @pytest.fixture(scope="module")

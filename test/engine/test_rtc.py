@@ -19,12 +19,7 @@ from embodied_kv.model.vla import denoise_rows
 REPLAN = 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/conftest.py
 
 
 def run_engine(model, rtc: RTCConfig, mode="off", cycles=4, delay=2):

@@ -12,13 +12,7 @@ from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import assign_state
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/conftest.py
 
 
 def fresh_model(dtype=torch.float32):

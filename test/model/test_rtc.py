@@ -30,12 +30,7 @@ REF_RTOL = 1e-4
 HARD_EPS = {"vjp": 0.12, "error": 0.12}  # measured: vjp <= 0.095, error <= 0.063
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/conftest.py
 
 
 @pytest.fixture(scope="module")
