@@ -69,9 +69,7 @@ class PolicyServer:
                 t0 = time.perf_counter()
                 try:
                     msg = wire.unpack(frame)
-                    response, timing = await loop.run_in_executor(
-                        self._engine_thread, self._job, session, msg, time.perf_counter()
-                    )
+                    response, timing = await self._on_engine(loop, session, msg)
                 except ValueError as e:
                     await ws.send(f"{ERROR_PREFIX}bad request: {e}")
                     continue
@@ -93,12 +91,40 @@ class PolicyServer:
             except RuntimeError:  # shutting down: the engine thread is gone, so is the store
                 pass
 
+    def _on_engine(self, loop: asyncio.AbstractEventLoop, session: Session, msg: dict):
+        """The frame's job on the engine thread -> a loop future, resolved by one
+        call_soon_threadsafe (run_in_executor chains a concurrent future to it instead)."""
+        fut = loop.create_future()
+
+        def job(submitted: float) -> None:
+            try:
+                result = self._job(session, msg, submitted)
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
+                loop.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, result, None)
+
+        queued = self._engine_thread.submit(job, time.perf_counter())
+        queued.add_done_callback(  # cancelled unrun (shutdown): the awaiting handler ends
+            lambda q: q.cancelled() and loop.call_soon_threadsafe(fut.cancel)
+        )
+        return fut
+
     def _job(self, session: Session, msg: dict, submitted: float) -> tuple[dict, dict]:
         """On the engine thread: one frame -> (response, timing)."""
         t = time.perf_counter()
         response = self.policy.handle(session, msg)
         done = time.perf_counter()
         return response, {"infer_ms": (done - t) * 1e3, "queue_ms": (t - submitted) * 1e3}
+
+
+def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
+    if fut.cancelled():  # the connection's handler was cancelled meanwhile
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def _health_check(connection: ServerConnection, request):
