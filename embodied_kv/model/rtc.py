@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from embodied_kv.model.flow_constants import step_times
 from embodied_kv.storage.arena import KVArena
 
 SCHEDULES = ("exp", "linear", "hard")
@@ -104,12 +105,6 @@ def guidance_weights(times: list[float], beta: float) -> list[float]:
         r2 = (1 - tau) ** 2 / (tau**2 + (1 - tau) ** 2)
         out.append(min(beta, (1 - tau) / (tau * r2)) if r2 > 0 else beta)
     return out
-
-
-def step_times(steps: int, device) -> torch.Tensor:
-    """t_k = 1 + k dt in float64, then fp32 [steps] (as ActionExpert.sample)."""
-    dt = -1.0 / steps
-    return (1.0 + torch.arange(steps, dtype=torch.float64, device=device) * dt).float()
 
 
 def guided_velocity(
