@@ -18,12 +18,11 @@ say so (/diagnostics).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from embodied_kv.kv.capsule_disk import atomic_tmp
 from embodied_kv.kv.capsule_store import CapsuleStore
+from embodied_kv.model.weights import atomic_path
 
 LEDGER = "ended-requests.json"
 FORMAT = "embodied_kv.ended/1"
@@ -48,7 +47,7 @@ class EndedRequests:
         self.write_failures = 0
         self.ids: set[str] = self._read()
         self._saved = frozenset(self.ids)
-        self.ids &= self._held(disk_only=False)
+        self.ids &= self._held()[0]
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.ids
@@ -62,16 +61,17 @@ class EndedRequests:
         kept: nothing can bring them back)."""
         new = set(ids) - self.ids
         if new:
-            self.ids |= new & self._held(disk_only=False)
-            self.sync()
+            self.ids |= new
+            self.sync()  # drops those no capsule holds
 
     def sync(self) -> None:
         """Forget ids no capsule holds any more; write the ledger if the ended ids that
         disk capsules hold changed (after a snapshot or a promotion moved capsules)."""
-        self.ids &= self._held(disk_only=False)
+        held, on_disk = self._held()
+        self.ids &= held
         if self.path is None:
             return
-        want = frozenset(self.ids & self._held(disk_only=True))
+        want = frozenset(self.ids & on_disk)
         if want == self._saved:
             return
         try:
@@ -81,12 +81,17 @@ class EndedRequests:
             self.last_error = f"{self.path}: {type(e).__name__}: {e}"
         self._saved = want  # tried: the next write comes with the next change
 
-    def _held(self, disk_only: bool) -> set[str]:
-        out: set[str] = set()
+    def _held(self) -> tuple[set[str], set[str]]:
+        """The ids every capsule in the store holds, and those the disk capsules hold (one
+        pass over the store's metas)."""
+        held: set[str] = set()
+        on_disk: set[str] = set()
         for _, tier, meta in self.store.metas():
-            if tier == "disk" or not disk_only:
-                out |= held_ids(meta)
-        return out
+            ids = held_ids(meta)
+            held |= ids
+            if tier == "disk":
+                on_disk |= ids
+        return held, on_disk
 
     def _read(self) -> set[str]:
         if self.path is None or not self.path.is_file():
@@ -101,9 +106,5 @@ class EndedRequests:
             return set()
 
     def _write(self, ids: frozenset[str]) -> None:
-        tmp = atomic_tmp(self.path)
-        try:
+        with atomic_path(self.path) as tmp:  # a name the disk tier's start-up scan knows
             Path(tmp).write_text(json.dumps({"format": FORMAT, "ids": sorted(ids)}))
-            os.replace(tmp, self.path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
