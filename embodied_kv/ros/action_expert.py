@@ -20,6 +20,8 @@ from embodied_kv.ros.lifecycle_node import EmbodiedNode
 from embodied_kv.ros.messages import action_msg, chunk_msg
 from embodied_kv.ros.prefill import DEFAULT_JOINTS
 
+OUTPUT_NICE = -10  # the action output thread's nice value where permitted (thread_priority.py)
+
 
 class ActionExpertNode(EmbodiedNode):
     NAME = "action_expert"
@@ -34,6 +36,8 @@ class ActionExpertNode(EmbodiedNode):
 
     def declare_node_parameters(self) -> None:
         self.declare_parameter("joint_names", DEFAULT_JOINTS)  # one per action dimension
+        # the output thread's nice value (ros/thread_priority.py); 0: the process's own
+        self.declare_parameter("output_nice", OUTPUT_NICE)
 
     def setup(self) -> None:
         dim = self.engine.robot.action_dim  # the robot's commands, not the model's padding
@@ -46,9 +50,11 @@ class ActionExpertNode(EmbodiedNode):
         self._action_pub = self.create_lifecycle_publisher(Float64MultiArray, "action", 10)
         self._chunk_pub = self.create_lifecycle_publisher(JointTrajectory, "action_chunk", 10)
         self._action_msg = action_msg(self.joint_names)
-        self.output = ActionOutput(
-            self.host.clock, self.engine.queue.pop, self._publish_action, self.get_logger().error
-        )
+        nice = int(self.param("output_nice"))
+        if not -20 <= nice <= 19:
+            raise ValueError(f"output_nice must be in -20..19, got {nice}")
+        self.output = ActionOutput(self.host.clock, self.engine.queue.pop, self._publish_action,
+                                   self.get_logger().error, nice)  # fmt: skip
         self.host.output = self.output
 
     def teardown(self) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embodied_kv.ros.rate_probe import RateProbe
+from embodied_kv.ros.thread_priority import set_thread_nice
 from embodied_kv.ros.worker import Worker
 
 MAX_LAG_TICKS = 5  # behind by more than this: drop the backlog instead of bursting it
@@ -72,9 +73,12 @@ class ActionOutput(Worker):
         pop: Callable[[int], tuple[np.ndarray, bool]],
         publish: Callable[[np.ndarray, int], None],
         log_error: Callable[[str], None],
+        nice: int = 0,
     ):
         super().__init__()
         self.clock, self._pop, self._publish, self._log_error = clock, pop, publish, log_error
+        self.nice = nice  # asked for the thread (ros/thread_priority.py)
+        self.nice_now: tuple[int, str] | None = None  # what it got, and why not if not
         self.counters = OutputCounters()
         self.publish_times = RateProbe(clock.period_s, keep=4096)
         self._lateness: deque[float] = deque(maxlen=1024)  # s past due, of the last ~20 s
@@ -84,6 +88,10 @@ class ActionOutput(Worker):
         self._started = False
 
     def _run(self) -> None:
+        self.nice_now = set_thread_nice(self.nice)
+        if self.nice_now[1]:
+            self._log_error(f"action output: nice {self.nice} {self.nice_now[1]}; "
+                            f"it runs at nice {self.nice_now[0]}")  # fmt: skip
         clock = self.clock
         tick = clock.now() + 1
         while True:
@@ -125,4 +133,6 @@ class ActionOutput(Worker):
             "jitter_p99_ms": summary.jitter_p99_ms if summary else 0.0,
             "lateness_p99_ms": float(np.percentile(lateness, 99) * 1e3) if len(lateness) else 0.0,
             "lateness_max_ms": float(lateness.max() * 1e3) if len(lateness) else 0.0,  # ~20 s
+            "output_nice": self.nice_now[0] if self.nice_now else self.nice,
+            "output_nice_note": self.nice_now[1] if self.nice_now else "",
         }

@@ -2,13 +2,21 @@
 its own DDS participant, call `reset`, `rollback` and `snapshot` in a loop and answers
 stream, a subscriber in another process (action_recorder.py) measures the action stream:
 its rate stays within 1 % of the target and no gap between two actions exceeds 3 periods.
-The robot's own /diagnostics say no full garbage collection paused it for a period.
-(A response that DDS loses under this load, seen once in ~2,800 calls, is counted and
-reported; every client must still get answered calls, none refused.)"""
+The robot's own /diagnostics say no tick left late and no full garbage collection paused
+it for a period, over the ~20 s that include the clients' start.
+
+The window opens once the clients' participants are discovered (every service found, then
+SETTLE_S): while 4 participants join, a subscriber's own DDS participant can hold the
+samples it receives for ~0.3 s (measured, docs/ros.md "Services under load": the robot
+published every tick on time). That phase is measured and printed; the robot's side of
+it is asserted by the lateness above.
+(A response that DDS loses under this load is counted and reported; every client must
+still get answered calls, none refused.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -26,6 +34,10 @@ WINDOW_S = 10.0  # the clients call for this long (a 1 % rate needs a few hundre
 MAX_CALLS = 1000  # per client, at most (measured: up to 320 calls a second in all)
 CALL_TIMEOUT_S = 3.0  # a response DDS lost under this load is counted, the loop goes on
 DISCOVERY_TIMEOUT_S = 20.0  # a new participant finds the services (a loaded machine)
+# After the last client found its service: measured, the subscriber-side holds of discovery
+# ended by 0.41 s after it (5 holds of 0.32-0.33 s in 44 loaded runs, all within 3.4 s of
+# the clients' creation); the hammering window opens after this.
+SETTLE_S = 1.0
 RECORDER = Path(__file__).with_name("action_recorder.py")
 TARGET = "hammer_mark"
 
@@ -80,10 +92,12 @@ def test_service_hammering_never_stalls_the_action_stream(robot, tmp_path):
         for i in range(4):
             robot.ask(f"while the services are hammered, describe the scene, part {i}?")
         kinds = ("reset", "reset", "rollback", "snapshot")
-        t0 = time.monotonic()
-        hammers = [Hammer(robot.robot.namespace, i, k, t0 + WINDOW_S) for i, k in enumerate(kinds)]
+        created = time.monotonic()
+        hammers = [Hammer(robot.robot.namespace, i, k, 0.0) for i, k in enumerate(kinds)]
         for h in hammers:
             assert h.client.wait_for_service(timeout_sec=DISCOVERY_TIMEOUT_S)
+        found = time.monotonic()
+        time.sleep(SETTLE_S)
         t0 = time.monotonic()
         for h in hammers:
             h.until = t0 + WINDOW_S
@@ -97,6 +111,7 @@ def test_service_hammering_never_stalls_the_action_stream(robot, tmp_path):
     for h in hammers:
         h.close()
     arrivals = np.array(json.loads(out.read_text()))
+    joining = np.diff(arrivals[(arrivals >= created) & (arrivals <= t0)])
     window = arrivals[(arrivals >= t0) & (arrivals <= t1)]
     gaps = np.diff(window)
     rate = (len(window) - 1) / (window[-1] - window[0])
@@ -112,6 +127,8 @@ def test_service_hammering_never_stalls_the_action_stream(robot, tmp_path):
     late_ms = float(output["lateness_max_ms"])  # the output thread's last 1,024 ticks
     line += (f"; robot side: lateness max {late_ms:.1f} ms over its last 1,024 ticks, "
              f"full GC pause max {output['gc_full_pause_max_ms']} ms")  # fmt: skip
+    line += (f"; while the clients joined ({found - created:.1f} s to find the services, "
+             f"then {SETTLE_S:.0f} s): gap max {joining.max() * 1e3:.0f} ms")  # fmt: skip
     failures = [(h.kind, h.failures[:3]) for h in hammers if h.failures]
     line += f"; refused: {failures}" if failures else ""
     print(f"\n{line}")
@@ -121,12 +138,9 @@ def test_service_hammering_never_stalls_the_action_stream(robot, tmp_path):
     # The output never stalls: every tick of the last ~20 s (the window, and the seconds
     # before it) left within 3 periods of its time.
     assert late_ms <= 3 * PERIOD_S * 1e3, line
-    # From another process: no gap over 3 periods. One such gap is the transport's, not
-    # the output's, when the robot's own times above say every tick left on time (seen in
-    # 3 runs of ~12 here, each with a service call failed or lost at that moment): printed.
-    over = int((gaps > 3 * PERIOD_S).sum())
-    assert over <= 1, line
-    if over:
-        print(f"one gap of {gaps.max() * 1e3:.0f} ms in delivery, the robot on time: {line}")
+    # From another process: no gap over 3 periods while the services are hammered.
+    assert gaps.max() <= 3 * PERIOD_S, line
     assert float(output["gc_full_pause_max_ms"]) < PERIOD_S * 1e3, output
+    if os.geteuid() == 0:  # the output thread got its priority (ros/thread_priority.py)
+        assert int(output["output_nice"]) == -10, output
     assert int(output["gc_frozen_objects"]) > 100_000, output
