@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from embodied_kv.kernels import gemm_residual, norm_gemm
 from embodied_kv.kernels.attn_stats import BLOCK_M as STATS_BLOCK_M
 from embodied_kv.kernels.attn_stats import plan_attn_stats
 from embodied_kv.kernels.expert_attention import plan_expert_attention
@@ -212,6 +213,10 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
         x = torch.empty(n_tok, heads, d, dtype=torch.bfloat16, device="meta")
         rot = plan_rope(x, table, table, torch.empty_like(x))
         launches.setdefault(rot.name, rot)
+    # the expert's fused layer-step (model/expert_step.py): norm -> q/k/v + RoPE,
+    # norm -> gate/up + GELU-gate, and the two GEMMs with the gated residual
+    for launch in norm_gemm.pi05_launches() + gemm_residual.pi05_launches():
+        launches.setdefault(launch.name, launch)
     return list(launches.values())
 
 

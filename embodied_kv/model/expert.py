@@ -15,8 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embodied_kv.kernels.expert_attention import expert_attention
 from embodied_kv.model.config import ModelConfig
+from embodied_kv.model.expert_step import (
+    StepInputs,
+    WorkspaceCache,
+    fused_ready,
+    layer_step_fused,
+    layer_step_ref,
+)
 from embodied_kv.model.flow_constants import FlowModulationCache
 from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
 from embodied_kv.storage.arena import KVArena
@@ -36,6 +42,7 @@ class ActionExpert(nn.Module):
         self.time_mlp_out = nn.Linear(e.width, e.width)
         self.scale = e.head_dim**-0.5
         self.flow_mods = FlowModulationCache()  # model/flow_constants.py: once per weights
+        self.workspaces = WorkspaceCache()  # split-K buffers of the fused layer-step (CUDA)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,23 +138,24 @@ class ActionExpert(nn.Module):
         With `rows` in the context, arena rows [0, rows) are read and those >= prefix_len
         (a 0-d device tensor) masked, so one CUDA graph serves every prefix length up to
         `rows`."""
-        h_len = x_t.shape[0]
         mod = ctx.modulation
         h = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
             j = 2 * i
-            xn = layer.input_layernorm.modulate(h, mod.scale1[j, k], mod.shift[j, k])
-            q, k_, v = attn.qkv(xn)
-            q, k_ = self.rope.rotate(q, ctx.cos_sin), self.rope.rotate(k_, ctx.cos_sin)
-            kp = arena.k[i, slot, : ctx.n_rows]  # [P, Hkv, D], a view
-            vp = arena.v[i, slot, : ctx.n_rows]
-            bias = ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i]
-            o = expert_attention(q, kp, vp, k_, v, self.scale, bias)  # one kernel on CUDA
-            h = torch.addcmul(h, attn.o_proj(o.reshape(h_len, -1)), mod.gate[j, k])
-            post = layer.post_attention_layernorm
-            xn = post.modulate(h, mod.scale1[j + 1, k], mod.shift[j + 1, k])
-            h = torch.addcmul(h, layer.mlp(xn), mod.gate[j + 1, k])
+            inputs = StepInputs(
+                scale1=(mod.scale1[j, k], mod.scale1[j + 1, k]),
+                shift=(mod.shift[j, k], mod.shift[j + 1, k]),
+                gate=(mod.gate[j, k], mod.gate[j + 1, k]),
+                cos_sin=ctx.cos_sin,
+                kp=arena.k[i, slot, : ctx.n_rows],  # [P, Hkv, D], a view
+                vp=arena.v[i, slot, : ctx.n_rows],
+                bias=ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i],
+                scale=self.scale,
+            )
+            if fused_ready(layer, h):  # CUDA inference: five kernels (model/expert_step.py)
+                h = layer_step_fused(layer, h, inputs, self.workspaces)
+            else:
+                h = layer_step_ref(layer, h, inputs)
         h = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
         return self.action_out_proj(h.to(self.action_out_proj.weight.dtype))
 

@@ -1,0 +1,104 @@
+"""One layer of one Euler step of the action expert, as the GPU runs it and as the CPU does.
+
+    reference (CPU, training, unfused weights)   fused (CUDA at inference, model/fused.py)
+    adaRMS norm                                   norm_qkv_rope     kernels/norm_gemm.py
+    q/k/v GEMM, RoPE on q and k                   |
+    attention over prefix + suffix                expert_attention  kernels/expert_attention.py
+    o_proj GEMM, gated residual (addcmul)         linear_gated_residual  kernels/gemm_residual.py
+    adaRMS norm, gate/up GEMM, GELU-gate          norm_gate_up      kernels/norm_gemm.py
+    down GEMM, gated residual                     linear_gated_residual
+
+The reference is the chain the CPU's bytes are pinned to (the parity with LeRobot's PI05
+rests on it); the fused path is the same arithmetic in the five kernel calls above (issue
+33), each kernel tested against its reference under TRITON_INTERPRET=1, and the two paths
+against each other in test/model/test_expert_step.py. `fused_ready` picks: the fused path
+needs the q/k/v and gate/up fusions in use (CUDA inference) and the tensors on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embodied_kv.kernels import expert_attention as attention_kernels
+from embodied_kv.kernels import gemm_residual, norm_gemm
+from embodied_kv.kernels.expert_attention import expert_attention
+from embodied_kv.kernels.gemm_residual import linear_gated_residual
+from embodied_kv.kernels.norm_gemm import norm_gate_up, norm_qkv_rope
+from embodied_kv.model.layers import GemmaLayer, Rope
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What one layer of one Euler step reads besides the residual stream h [H, W]."""
+
+    scale1: tuple[torch.Tensor, torch.Tensor]  # [W] fp32 each: input norm, post-attention norm
+    shift: tuple[torch.Tensor, torch.Tensor]  # [W] fp32 each
+    gate: tuple[torch.Tensor, torch.Tensor]  # [W] residual dtype: after attention, after MLP
+    cos_sin: tuple[torch.Tensor, torch.Tensor]  # [H, 1, D] fp32: the suffix's RoPE
+    kp: torch.Tensor  # [P, Hkv, D] prefix keys of this layer (an arena view)
+    vp: torch.Tensor  # [P, Hkv, D]
+    bias: torch.Tensor  # [P + H] fp32 additive mask
+    scale: float  # 1 / sqrt(head_dim)
+
+
+def fused_ready(layer: GemmaLayer, h: torch.Tensor) -> bool:
+    """The five-kernel path applies: on CUDA, with both fusions usable (inference, the
+    parameters still view the fused storage)."""
+    a, m = layer.self_attn.fusion, layer.mlp.fusion
+    return h.is_cuda and a is not None and m is not None and a.usable() and m.usable()
+
+
+def layer_step_ref(layer: GemmaLayer, h: torch.Tensor, s: StepInputs) -> torch.Tensor:
+    """Today's chain, op for op (the CPU bytes): h [H, W] -> h after the layer."""
+    attn, h_len = layer.self_attn, h.shape[0]
+    xn = layer.input_layernorm.modulate(h, s.scale1[0], s.shift[0])
+    q, k, v = attn.qkv(xn)
+    q, k = Rope.rotate(q, s.cos_sin), Rope.rotate(k, s.cos_sin)
+    o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias)  # one kernel on CUDA
+    h = torch.addcmul(h, attn.o_proj(o.reshape(h_len, -1)), s.gate[0])
+    xn = layer.post_attention_layernorm.modulate(h, s.scale1[1], s.shift[1])
+    return torch.addcmul(h, layer.mlp(xn), s.gate[1])
+
+
+def layer_step_fused(
+    layer: GemmaLayer, h: torch.Tensor, s: StepInputs, work: WorkspaceCache, kernels: bool = False
+) -> torch.Tensor:
+    """The five kernel calls over the fused weights. `kernels=True` calls the Triton kernels
+    whatever the device (CPU tensors under TRITON_INTERPRET=1: how the tests run this path);
+    else each call dispatches (kernel on CUDA, reference elsewhere)."""
+    attn, mlp, h_len = layer.self_attn, layer.mlp, h.shape[0]
+    qkv_op = norm_gemm.norm_qkv_rope_kernel if kernels else norm_qkv_rope
+    gate_up_op = norm_gemm.norm_gate_up_kernel if kernels else norm_gate_up
+    attn_op = attention_kernels.expert_attention_kernel if kernels else expert_attention
+    residual_op = gemm_residual.linear_gated_residual_kernel if kernels else linear_gated_residual
+    fusion = attn.fusion
+    q, k, v = qkv_op(h, s.scale1[0], s.shift[0], layer.input_layernorm.eps, fusion.weight,
+                     fusion.sizes, *s.cos_sin)  # fmt: skip
+    o = attn_op(q, s.kp, s.vp, k, v, s.scale, s.bias).reshape(h_len, -1)
+    w_o = attn.o_proj.weight
+    h = residual_op(h, o, w_o, s.gate[0], work.get(h, w_o))
+    hidden = mlp.fusion.sizes[0]
+    a = gate_up_op(h, s.scale1[1], s.shift[1], layer.post_attention_layernorm.eps,
+                   mlp.fusion.weight, hidden)  # fmt: skip
+    w_down = mlp.down_proj.weight
+    return residual_op(h, a, w_down, s.gate[1], work.get(h, w_down))
+
+
+class WorkspaceCache:
+    """The gated-residual GEMM's split-K workspace (fp32 partials + per-tile counters that
+    the kernel resets itself), one per (rows, width, K, dtype, device), allocated once:
+    allocated before a CUDA graph's capture it is a static buffer of the graph; a call per
+    layer reuses it in stream order."""
+
+    def __init__(self) -> None:
+        self._work: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (n, width), k = h.shape, w.shape[1]
+        key = (n, width, k, h.dtype, h.device)
+        if key not in self._work:
+            cfg = gemm_residual.gemm_config(n, width, k, h.dtype)
+            self._work[key] = gemm_residual.workspace(n, width, cfg, h.device)
+        return self._work[key]

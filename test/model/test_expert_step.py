@@ -1,0 +1,100 @@
+"""The action expert's layer-step as CUDA runs it (five kernel calls over the fused weights,
+model/expert_step.py) against the CPU's chain: the real model's layers and prefix, the
+Triton kernels run under TRITON_INTERPRET=1 (test/conftest.py). Each kernel is tested
+against its own reference in test/kernels/; this is the wiring: the right weights, norms,
+gates, RoPE tables, prefix rows and mask reach each kernel, in order."""
+
+import pytest
+import torch
+
+import embodied_kv.model.expert as expert_module
+from embodied_kv.kernels.triton_base import triton
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.expert_step import (
+    StepInputs,
+    WorkspaceCache,
+    fused_ready,
+    layer_step_fused,
+    layer_step_ref,
+)
+from embodied_kv.model.fused import fuse_projections
+from embodied_kv.model.synthetic import synthetic_observation
+from embodied_kv.model.vla import build_model
+
+pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
+
+# fp32: the kernels sum in another order than the CPU's GEMMs (~1e-6 on values ~1);
+# bf16: one bf16 rounding of the many in a layer lands elsewhere (relative ~1e-2).
+TOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
+
+
+def model_and_prefix(dtype, rows=None):
+    m = build_model(get_preset("tiny", layers=2), dtype=dtype)
+    fuse_projections(m)  # as build_model does on CUDA
+    arena = m.new_arena(2, 128)
+    slot = arena.allocate()
+    m.prefill(arena, slot, m.embed_prefix(synthetic_observation(m.cfg, 5)))
+    return m, arena, slot, arena.slot_len(slot)
+
+
+def inputs_of(m, arena, slot, n, i, k, rows):
+    e = m.expert
+    steps = m.cfg.denoise_steps
+    mod = e.flow_modulation(steps, "cpu")
+    ctx = e.context(None, m.cfg.action_horizon, torch.tensor(n), rows, "cpu", None, mod)
+    j = 2 * i
+    return StepInputs(
+        scale1=(mod.scale1[j, k], mod.scale1[j + 1, k]),
+        shift=(mod.shift[j, k], mod.shift[j + 1, k]),
+        gate=(mod.gate[j, k], mod.gate[j + 1, k]),
+        cos_sin=ctx.cos_sin,
+        kp=arena.k[i, slot, : ctx.n_rows],
+        vp=arena.v[i, slot, : ctx.n_rows],
+        bias=ctx.bias,
+        scale=e.scale,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, 96])  # exact prefix; a graph's row bucket (masked)
+def test_fused_layer_step_equals_the_cpu_chain(dtype, rows):
+    m, arena, slot, n = model_and_prefix(dtype)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g).to(dtype)
+    work = WorkspaceCache()
+    with torch.no_grad():
+        for i, layer in enumerate(m.expert.layers):
+            s = inputs_of(m, arena, slot, n, i, k=3, rows=rows)
+            want = layer_step_ref(layer, h, s)
+            got = layer_step_fused(layer, h, s, work, kernels=True)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            err = (got.float() - want.float()).abs().max().item()
+            scale = want.float().abs().max().item()
+            assert err <= TOL[dtype] * max(scale, 1.0), (i, err, scale)
+
+
+def test_the_whole_chunk_through_the_fused_path(monkeypatch):
+    """sample() with every layer-step on the five kernels (as on CUDA) = the CPU's chunk
+    within fp32 summation order; the workspace is allocated once per shape and reused."""
+    m, arena, slot, n = model_and_prefix(torch.float32)
+    noise = m.make_noise(2)
+    with torch.no_grad():
+        want = m.expert.sample(arena, slot, torch.tensor(n), noise, rows=96)
+
+    def fused(layer, h, s, work):
+        return layer_step_fused(layer, h, s, work, kernels=True)
+
+    monkeypatch.setattr(expert_module, "fused_ready", lambda layer, h: True)
+    monkeypatch.setattr(expert_module, "layer_step_fused", fused)
+    with torch.no_grad():
+        got = m.expert.sample(arena, slot, torch.tensor(n), noise, rows=96)
+    assert (got - want).abs().max().item() < 1e-3
+    assert len(m.expert.workspaces._work) == 2  # o_proj (K = heads x D) and down (K = mlp)
+
+
+def test_fused_path_is_only_taken_where_it_applies():
+    m, arena, slot, n = model_and_prefix(torch.float32)
+    layer, h = m.expert.layers[0], torch.zeros(3, m.cfg.expert.width)
+    assert not fused_ready(layer, h)  # CPU tensors: the reference chain, the CPU's bytes
+    plain = build_model(get_preset("tiny", layers=1))
+    assert plain.expert.layers[0].self_attn.fusion is None  # no fusion on the CPU
