@@ -9,6 +9,9 @@ to the host. No language request runs (narration off), so nothing else shares th
     graphs  the product's path: Engine with CUDA graphs (vision per camera count, step
             buckets, one denoise graph per slot and row bucket), captured at warmup.
             On a CPU the same graph code in emulation (replay = calling the function).
+    graphs_unfused  (on CUDA, or --unfused-row) the same with the expert's layer-step as
+            the reference chain (~13 kernels) instead of its five fused kernels
+            (model/expert_step.py): what the fusion gains, or loses, on this GPU.
     eager   the same engine and weights with graphs off: every op launched from Python,
             as LeRobot's `select_action` runs pi0.5.
 
@@ -82,6 +85,7 @@ def measure(model, engines: dict[str, Engine], cams: int, warmup: int, repeats: 
         for name in names[r % len(names) :] + names[: r % len(names)]:
             engine = engines[name]
             model.graphs = engine.graphs  # the engines share the model (and its weights)
+            model.expert.fused_layer_step = name != "graphs_unfused"
             engine.observe(obs)
             res = engine.cycle(engine.frame * engine.cfg.replan_every)
             prefix = res.prefix_len
@@ -97,12 +101,16 @@ def run(args, env: harness.Environment) -> dict:
     model = build_model(cfg, args.device, dtype)
     mode = "cuda" if args.device == "cuda" else "emulate"
     engines = {"graphs": engine_for(model, mode, 2), "eager": engine_for(model, "off", 2)}
+    unfused = args.device == "cuda" or args.unfused_row
+    if unfused:
+        engines["graphs_unfused"] = engine_for(model, mode, 2)
     if args.rtc:  # the guided loop from its graph (docs/rtc.md); guided from its 2nd chunk on
         rtc = RTCConfig(enabled=True, guidance=args.rtc)
         engines["graphs_rtc"] = engine_for(model, mode, 2, rtc)
     obs = synthetic_observation(cfg, 0, INSTRUCTION)
-    for e in engines.values():
+    for name, e in engines.items():
         model.graphs = e.graphs
+        model.expert.fused_layer_step = name != "graphs_unfused"  # captured as it is now
         e.observe(obs)
         e.warmup()  # captures every graph (configure time); nothing is captured after
         e.begin_episode()
@@ -123,6 +131,10 @@ def run(args, env: harness.Environment) -> dict:
             **limit_fields(cams, m["prefix_len"], gm if real else None),
             "captures": engines["graphs"].graphs.captures,
         })  # fmt: skip
+        if unfused:
+            u = m["samples"]["graphs_unfused"]
+            rows[-1] |= {"graphs_unfused_ms": harness.Stats.of(u).as_dict(),
+                         "unfused_over_fused": harness.ratio(u, g)}  # fmt: skip
         if args.rtc:
             r = m["samples"]["graphs_rtc"]
             rows[-1] |= {"rtc": args.rtc, "graphs_rtc_ms": harness.Stats.of(r).as_dict(),
@@ -135,6 +147,7 @@ def run(args, env: harness.Environment) -> dict:
             row.update(breakdown_ms=medians, breakdown_action_ms=action)
             harness.progress(env, f"{cams} cameras broken down")
     model.graphs = None
+    model.expert.fused_layer_step = True
     return {
         "benchmark": "latency", "preset": args.preset, "dtype": str(dtype).split(".")[-1],
         "graph_mode": mode, "repeats": repeats, "rows": rows, "goal_x_limit": GOAL_X_LIMIT,
@@ -176,6 +189,12 @@ def report(result: dict) -> None:
                           f"48-text-token limit) at {r['cameras']} cameras" for r in judged)
               + f" (goal <= {result['goal_x_limit']}x)")  # fmt: skip
     for r in rows:
+        if "graphs_unfused_ms" in r:
+            ratio = r["unfused_over_fused"]
+            print(f"{r['cameras']} cameras: the expert's layer-step unfused (reference chain) "
+                  f"{r['graphs_unfused_ms']['median']:.2f} ms = {ratio:.2f}x the fused path"
+                  + ("" if ratio >= 1 or result["graph_mode"] == "emulate"
+                     else "  LOSS: the fused layer-step is slower here"))  # fmt: skip
         if "rtc" in r:
             print(f"{r['cameras']} cameras: RTC ({r['rtc']}) from its graph "
                   f"{r['graphs_rtc_ms']['median']:.2f} ms = {r['rtc_over_graphs']:.2f}x the "
@@ -190,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_common_args(p)
     p.add_argument("--repeats", type=int, default=0, help="rounds per camera count (0: 10 / 40)")
     p.add_argument("--layers", type=int, default=0, help="depth override (0: the preset's)")
+    p.add_argument("--unfused-row", action="store_true",
+                   help="add the graphs engine with the expert's layer-step unfused (on by "
+                        "default on CUDA; on a CPU both run the same reference chain)")  # fmt: skip
     p.add_argument(
         "--breakdown", action="store_true",
         help="then time each region of one action on the graphs engine (a separate pass)",

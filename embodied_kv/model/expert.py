@@ -43,6 +43,8 @@ class ActionExpert(nn.Module):
         self.scale = e.head_dim**-0.5
         self.flow_mods = FlowModulationCache()  # model/flow_constants.py: once per weights
         self.workspaces = WorkspaceCache()  # split-K buffers of the fused layer-step (CUDA)
+        # False: CUDA runs the reference chain too (bench latency's unfused row, a fallback)
+        self.fused_layer_step = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -152,7 +154,7 @@ class ActionExpert(nn.Module):
                 bias=ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i],
                 scale=self.scale,
             )
-            if fused_ready(layer, h):  # CUDA inference: five kernels (model/expert_step.py)
+            if self.fused_layer_step and fused_ready(layer, h):  # CUDA: model/expert_step.py
                 h = layer_step_fused(layer, h, inputs, self.workspaces)
             else:
                 h = layer_step_ref(layer, h, inputs)

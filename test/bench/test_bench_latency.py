@@ -106,3 +106,14 @@ def test_bench_latency_rtc_row(tmp_path, capsys):
         assert r["rtc"] == "error" and r["graphs_rtc_ms"]["median"] > 0
         assert r["rtc_over_graphs"] > 0
     assert "RTC (error) from its graph" in capsys.readouterr().out
+
+
+def test_bench_latency_unfused_row(tmp_path, capsys):
+    """--unfused-row (on by default on CUDA): a graphs engine captured with the expert's
+    layer-step as the reference chain, timed beside the fused one."""
+    out = tmp_path / "latency_unfused.json"
+    argv = ["--preset", "tiny", "--device", "cpu", "--quick", "--repeats", "1", "--unfused-row"]
+    assert latency.main([*argv, "--json", str(out)]) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        assert r["graphs_unfused_ms"]["median"] > 0 and r["unfused_over_fused"] > 0
+    assert "layer-step unfused (reference chain)" in capsys.readouterr().out
