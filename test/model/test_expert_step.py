@@ -98,3 +98,24 @@ def test_fused_path_is_only_taken_where_it_applies():
     assert not fused_ready(layer, h)  # CPU tensors: the reference chain, the CPU's bytes
     plain = build_model(get_preset("tiny", layers=1))
     assert plain.expert.layers[0].self_attn.fusion is None  # no fusion on the CPU
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the real kernels")
+@pytest.mark.parametrize("preset", ["tiny", "pi05"])
+def test_on_cuda_the_fused_chunk_equals_the_unfused_one(preset):
+    """On a GPU (gpu-check's test run): the compiled kernels, at tiny and pi05 widths."""
+    m = build_model(get_preset(preset, layers=1, vision_layers=1), "cuda", torch.bfloat16)
+    assert m.expert.layers[0].self_attn.fusion is not None  # build_model fuses on CUDA
+    arena = m.new_arena(2, 1024)
+    slot = arena.allocate()
+    m.prefill(arena, slot, m.embed_prefix(synthetic_observation(m.cfg, 5)))
+    n, noise = arena.slot_len(slot), m.make_noise(3)
+    chunks = {}
+    for fused in (True, False):
+        m.expert.fused_layer_step = fused
+        with torch.no_grad():
+            chunks[fused] = m.expert.sample(arena, slot, torch.tensor(n, device="cuda"), noise,
+                                            rows=1024).float()  # fmt: skip
+    m.expert.fused_layer_step = True
+    err = (chunks[True] - chunks[False]).abs().max().item()
+    assert err <= 0.05 * max(chunks[False].abs().max().item(), 1.0), err
