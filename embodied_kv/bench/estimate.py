@@ -28,6 +28,7 @@ from embodied_kv.bench import harness, limit
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
+from embodied_kv.kernels import gemm_residual
 from embodied_kv.kernels.expert_attention import chunk_blocks, split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kernels.prefill_tile import tile_config
@@ -102,6 +103,31 @@ def gelu_gate_cost(gate, up) -> tuple[float, float]:
     return 10.0 * gate.numel(), 3.0 * gate.numel() * gate.element_size()
 
 
+def norm_qkv_rope_cost(h, scale1, shift, eps, w_qkv, sizes, cos, sin) -> tuple[float, float]:
+    """The fused norm -> q/k/v -> RoPE kernel (kernels/norm_gemm.py): the weights once, h
+    read by every column block (L2-resident, counted once), q/k/v written once."""
+    n, w = h.shape
+    out = sum(sizes)
+    e = h.element_size()
+    return 2.0 * n * w * out, (w_qkv.numel() + n * w + n * out) * e + 2 * cos.numel() * 4
+
+
+def norm_gate_up_cost(h, scale1, shift, eps, w_gate_up, hidden) -> tuple[float, float]:
+    """The fused norm -> gate/up -> GELU-gate kernel: the weights once, the product written."""
+    n, w = h.shape
+    return 4.0 * n * w * hidden, (w_gate_up.numel() + n * w + n * hidden) * h.element_size()
+
+
+def linear_gated_residual_cost(h, x, w, gate, work=None) -> tuple[float, float]:
+    """The GEMM with the gated residual in its epilogue (kernels/gemm_residual.py): x and the
+    weights once, h read and the result written, the split-K fp32 partials written and read."""
+    (n, k), width = x.shape, w.shape[0]
+    split_k = gemm_residual.gemm_config(n, width, k, x.dtype).split_k
+    partials = 0 if split_k == 1 else 2.0 * split_k * n * width * 4
+    moved = (x.numel() + w.numel() + 3 * n * width) * x.element_size() + partials
+    return 2.0 * n * k * width, moved
+
+
 @contextmanager
 def as_one_kernel(census: Census, module, name: str, cost):
     """`module.name` recorded as the single kernel it is on CUDA, priced by `cost(*args)`."""
@@ -122,9 +148,11 @@ def as_one_kernel(census: Census, module, name: str, cost):
 def cuda_kernels(census: Census):
     """What runs as one Triton kernel on CUDA but as its torch reference here: the
     backbone's packed attention, the expert's attention, every RMSNorm (plain and
-    adaptive), RoPE rotation and GELU-gate product."""
+    adaptive), RoPE rotation and GELU-gate product, and the expert's fused layer-step
+    (model/expert_step.py), taken where the fusions are in use as CUDA takes it."""
     import embodied_kv.model.backbone as backbone
     import embodied_kv.model.expert as expert
+    import embodied_kv.model.expert_step as step
     import embodied_kv.model.layers as layers
 
     def attention(q, k_cache, v_cache, slot, kv_len, *rest, **kwargs):
@@ -134,10 +162,31 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, backbone, "packed_attention", attention),
         as_one_kernel(census, layers, "rms_norm", norm_cost),
         as_one_kernel(census, layers, "rope_rotate", rope_cost),
-        as_one_kernel(census, expert, "expert_attention", expert_attention_cost),
+        as_one_kernel(census, step, "expert_attention", expert_attention_cost),
         as_one_kernel(census, layers, "gelu_gate", gelu_gate_cost),
+        as_one_kernel(census, step, "norm_qkv_rope", norm_qkv_rope_cost),
+        as_one_kernel(census, step, "norm_gate_up", norm_gate_up_cost),
+        as_one_kernel(census, step, "linear_gated_residual", linear_gated_residual_cost),
+        fused_as_on_cuda(expert),
     ):
         yield
+
+
+@contextmanager
+def fused_as_on_cuda(expert_module):
+    """The expert takes its five-kernel layer-step where CUDA would: wherever the q/k/v and
+    gate/up fusions are in use (model/fused.py), whatever the device."""
+    real = expert_module.fused_ready
+
+    def ready(layer, h):
+        a, m = layer.self_attn.fusion, layer.mlp.fusion
+        return a is not None and m is not None and a.usable() and m.usable()
+
+    expert_module.fused_ready = ready
+    try:
+        yield
+    finally:
+        expert_module.fused_ready = real
 
 
 def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dict[str, Tally]:
