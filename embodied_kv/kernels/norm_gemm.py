@@ -148,6 +148,45 @@ if triton is not None:
         return tl.load(w_ptr + cols[None, :] * stride_w + kk[:, None], mask=mask, other=0.0)
 
     @triton.jit
+    def _norm_dot_pair(
+        h_ptr,  # [N, W] residual stream, contiguous last dim
+        scale_ptr,  # [W] fp32 1 + scale
+        shift_ptr,  # [W] fp32 shift
+        w_ptr,  # [out, W] weight, h's dtype
+        rows,  # [BLOCK_M] row indices
+        mask_m,  # rows < N
+        cols_a,  # [BLOCK_N] weight rows of the first accumulator
+        cols_b,  # [BLOCK_N] weight rows of the second (RoPE's other half, or up beside gate)
+        mask_c,  # [BLOCK_N] valid columns
+        width,  # W = K
+        eps,
+        stride_h,
+        stride_w,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        DOT_IN_FP32: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
+    ):
+        # The prologue (the rows' RMS), then K streamed once: each h tile normalised and
+        # modulated in registers, dotted with both weight tiles -> two fp32 [M, N] accumulators
+        inv = _inv_rms(h_ptr, rows, mask_m, width, eps, stride_h, BLOCK_M, BLOCK_K)
+        acc_a = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, width, BLOCK_K):
+            kk = k0 + offs_k
+            x = _modulated_tile(
+                h_ptr, scale_ptr, shift_ptr, rows, mask_m, inv, kk, width, stride_h, ROUND_BF16
+            )
+            acc_a = dot(x, _weight_tile(w_ptr, cols_a, mask_c, kk, width, stride_w), acc_a,
+                        DOT_IN_FP32, INPUT_PRECISION)  # fmt: skip
+            acc_b = dot(x, _weight_tile(w_ptr, cols_b, mask_c, kk, width, stride_w), acc_b,
+                        DOT_IN_FP32, INPUT_PRECISION)  # fmt: skip
+        return acc_a, acc_b
+
+    @triton.jit
     def _norm_qkv_rope_fwd(
         h_ptr,  # [N, W] residual stream, contiguous last dim
         scale_ptr,  # [W] fp32 1 + scale
@@ -184,19 +223,11 @@ if triton is not None:
         cols_hi = cols_lo + HALF
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows < n_rows
-        inv = _inv_rms(h_ptr, rows, mask_m, width, eps, stride_h, BLOCK_M, BLOCK_K)
-        acc_lo = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        acc_hi = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, width, BLOCK_K):
-            kk = k0 + offs_k
-            x = _modulated_tile(
-                h_ptr, scale_ptr, shift_ptr, rows, mask_m, inv, kk, width, stride_h, ROUND_BF16
-            )
-            w_lo = _weight_tile(w_ptr, cols_lo, mask_j, kk, width, stride_w)
-            w_hi = _weight_tile(w_ptr, cols_hi, mask_j, kk, width, stride_w)
-            acc_lo = dot(x, w_lo, acc_lo, DOT_IN_FP32, INPUT_PRECISION)
-            acc_hi = dot(x, w_hi, acc_hi, DOT_IN_FP32, INPUT_PRECISION)
+        acc_lo, acc_hi = _norm_dot_pair(
+            h_ptr, scale_ptr, shift_ptr, w_ptr, rows, mask_m, cols_lo, cols_hi, mask_j, width,
+            eps, stride_h, stride_w, BLOCK_M, BLOCK_H, BLOCK_K, ROUND_BF16, DOT_IN_FP32,
+            INPUT_PRECISION,
+        )  # fmt: skip
         mask = mask_m[:, None] & mask_j[None, :]
         if head < rope_heads:
             # rope_ref: out[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]
@@ -240,20 +271,11 @@ if triton is not None:
         mask_n = cols < hidden
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows < n_rows
-        inv = _inv_rms(h_ptr, rows, mask_m, width, eps, stride_h, BLOCK_M, BLOCK_K)
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, width, BLOCK_K):
-            kk = k0 + offs_k
-            x = _modulated_tile(
-                h_ptr, scale_ptr, shift_ptr, rows, mask_m, inv, kk, width, stride_h, ROUND_BF16
-            )
-            w_g = _weight_tile(w_ptr, cols, mask_n, kk, width, stride_w)
-            w_u = _weight_tile(w_ptr, cols + hidden, mask_n, kk, width, stride_w)
-            acc_g = dot(x, w_g, acc_g, DOT_IN_FP32, INPUT_PRECISION)
-            acc_u = dot(x, w_u, acc_u, DOT_IN_FP32, INPUT_PRECISION)
-        g = acc_g
+        g, acc_u = _norm_dot_pair(
+            h_ptr, scale_ptr, shift_ptr, w_ptr, rows, mask_m, cols, cols + hidden, mask_n,
+            width, eps, stride_h, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, ROUND_BF16, DOT_IN_FP32,
+            INPUT_PRECISION,
+        )  # fmt: skip
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi): torch's tanh GELU
         tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
         y = round_bf16(0.5 * g * (1.0 + tanh) * acc_u, ROUND_BF16)
