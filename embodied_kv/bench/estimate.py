@@ -81,9 +81,10 @@ def rope_cost(x, cos, sin) -> tuple[float, float]:
 
 
 def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float, int]]:
-    """The expert attention's two kernels (kernels/expert_attention.py): the split partials
-    (QK^T and PV over prefix + suffix rows for every query; q once, the prefix and suffix K/V
-    once, fp32 partials written) and their reduce (partials read, out written)."""
+    """The expert attention as the one kernel it is on CUDA (kernels/expert_attention.py,
+    fused reduce): QK^T and PV over prefix + suffix rows for every query; q once, the prefix
+    and suffix K/V once, fp32 partials written and read back by each tile's last split
+    (L2-resident, counted), its reduce FLOPs, out written, the arrival counters."""
     h_len, hq, d = q.shape
     rows = kp.shape[0] + ks.shape[0]
     kv = 2 * rows * kp.shape[1] * d * kp.element_size()
@@ -92,10 +93,10 @@ def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, f
     partials = 4.0 * h_len * hq * splits * (d + 2)  # fp32 acc, max and sum per split
     q_bytes = q.numel() * q.element_size()
     steps = max(chunk_blocks(kp.shape[0], block_n, splits), -(-h_len // block_n))  # or suffix
-    return [
-        (4.0 * h_len * hq * d * rows, q_bytes + kv + bias.numel() * 4 + partials, steps),
-        (3.0 * h_len * hq * splits * d, partials + q_bytes),
-    ]
+    counters = 8.0 * -(-h_len // tile_config(q.dtype, hq // kp.shape[1]).block_m) * kp.shape[1]
+    flops = 4.0 * h_len * hq * d * rows + 3.0 * h_len * hq * splits * d
+    moved = 2 * q_bytes + kv + bias.numel() * 4 + 2 * partials + counters
+    return [(flops, moved, steps)]
 
 
 def gelu_gate_cost(gate, up) -> tuple[float, float]:

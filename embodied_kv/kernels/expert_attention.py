@@ -4,7 +4,8 @@ the whole prefix and each other, bidirectionally).
 
 In torch (`expert_attention_ref`) this is 10 kernels per layer and Euler step (a permuted
 copy of q, two score products, a concatenation, the masked scale, softmax, a cast, two
-value products, a permuted copy back): 1,800 per action at pi05. Here it is two launches.
+value products, a permuted copy back): 1,800 per action at pi05. Here it is one launch
+(`fused_reduce`; two with decode_splitk's separate reduce).
 
 Grid (cdiv(H, BLOCK_M), Hkv, NUM_SPLITS), flash-decoding style: program (b, h, j) takes
 suffix tokens [b*BLOCK_M, (b+1)*BLOCK_M) x the GROUP query heads of KV head h as one
@@ -12,9 +13,20 @@ suffix tokens [b*BLOCK_M, (b+1)*BLOCK_M) x the GROUP query heads of KV head h as
 8 tokens x 8 heads at pi05). Split j < NUM_SPLITS - 1 runs the online softmax over its
 chunk of the prefix rows (those whose mask entry is -inf neither loaded nor counted: rows
 past the prefix length in a graph's row bucket; a chunk may hold none), the last split over
-the H suffix rows; each writes its partial (max, sum, unnormalised output) and
-decode_splitk's reduce combines them. One program per tile walking the whole prefix took
-83 us a call on an H100 (7 programs on 132 SMs at pi05; 180 calls per action).
+the H suffix rows; each writes its partial (max, sum, unnormalised output) and bumps its
+tile's arrival counter; the program that arrives last combines the tile's partials as
+decode_splitk's reduce does, in split order 0..NUM_SPLITS-1 (deterministic bytes), and resets
+the counter to 0 (reusable workspace, graph replay without a memset). No program waits on
+another (gemm_residual's hand-off). With fused_reduce=False the reduce is a second launch.
+One program per tile walking the whole prefix took 83 us a call on an H100 (7 programs on
+132 SMs at pi05; 180 calls per action).
+
+Under the interpreter the fused output equals the two-kernel path's bytes (tested). On a GPU
+the order of the split sum differs from the reduce kernel's tree (a few fp32 ulps), but the
+fused path is deterministic. sm_90 (triton 3.9 offline compile, bf16, D 256, group 8, 4 warps,
+2 stages; 32 / 16 splits): 227 / 235 registers, no spills, 64 KiB shared, wgmma (the partial
+alone: 221); the combine walks D in 64-column chunks (whole-D: 255 registers, ~200 B spills).
+Untimed and unraced on a device (no GPU here).
 
 Supported range: as the prefill tile (fp32 / bf16 / fp16, D <= 256, group <= 32, any strides
 with a contiguous last dim). Every output row sees the H >= 1 suffix keys, so the reduce
@@ -86,6 +98,65 @@ if triton is not None:
     from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
     @triton.jit
+    def _combine_splits(
+        m_ptr,  # [H, Hq, NUM_SPLITS] fp32 max per split
+        l_ptr,  # [H, Hq, NUM_SPLITS] fp32 denominator per split
+        acc_ptr,  # [H, Hq, NUM_SPLITS, D] fp32 unnormalised output per split
+        out_ptr,  # [H, Hq, D] output
+        tok,  # [ROWS] int64 suffix token of each tile row
+        heads,  # [ROWS] query head of each tile row
+        live_r,  # [ROWS] row is a real (token, head)
+        n_heads,  # Hq
+        stride_on,  # out stride over tokens
+        stride_oh,  # out stride over heads
+        ROWS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        COMBINE_D: tl.constexpr,  # output columns combined at a time
+    ):
+        # decode_splitk's reduce for a whole tile, same operations in the same order: the
+        # weighted outputs summed in split order 0, 1, ... (a loop, one [ROWS, COMBINE_D] tile
+        # live), the denominators with tl.sum over the [ROWS, NUM_SPLITS] tile. Loads from L2
+        # (.cg), where the other SMs' partials are.
+        part = (tok * n_heads + heads) * NUM_SPLITS  # [ROWS] split 0's workspace row
+        offs_s = tl.arange(0, NUM_SPLITS)
+        m = tl.load(
+            m_ptr + part[:, None] + offs_s[None, :],
+            mask=live_r[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )  # [ROWS, NUM_SPLITS]
+        l_s = tl.load(
+            l_ptr + part[:, None] + offs_s[None, :],
+            mask=live_r[:, None],
+            other=1.0,  # padded rows: a finite quotient, never stored
+            cache_modifier=".cg",
+        )
+        m_max = tl.max(m, 1)  # finite: the suffix split sees H >= 1 keys
+        denom = tl.sum(l_s * tl.exp2(m - m_max[:, None]), 1)
+        # D in chunks of COMBINE_D columns: a whole [64, 256] fp32 total plus its loaded
+        # partial is 256 registers a thread at 4 warps (sm_90: spills); a chunk is 1/4 of it
+        for d0 in range(0, BLOCK_D, COMBINE_D):
+            cols = d0 + tl.arange(0, COMBINE_D)
+            mask = live_r[:, None] & (cols < HEAD_DIM)[None, :]
+            total = tl.zeros([ROWS, COMBINE_D], dtype=tl.float32)
+            for s in range(NUM_SPLITS):
+                m_s = tl.load(m_ptr + part + s, mask=live_r, other=0.0, cache_modifier=".cg")
+                a = tl.load(
+                    acc_ptr + (part + s)[:, None] * HEAD_DIM + cols[None, :],
+                    mask=mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+                total += a * tl.exp2(m_s - m_max)[:, None]
+            tl.store(
+                out_ptr + tok[:, None] * stride_on + heads[:, None] * stride_oh + cols[None, :],
+                (total / denom[:, None]).to(out_ptr.dtype.element_ty),
+                mask=mask,
+            )
+
+    @triton.jit
     def _expert_attention_partial(
         q_ptr,  # [H, Hq, D] suffix queries
         kp_ptr,  # [P, Hkv, D] prefix keys: a slot's rows of one arena layer, in place
@@ -96,6 +167,8 @@ if triton is not None:
         m_ptr,  # [H, Hq, NUM_SPLITS] fp32 out: max score per split (exp2 domain)
         l_ptr,  # [H, Hq, NUM_SPLITS] fp32 out: softmax denominator per split
         acc_ptr,  # [H, Hq, NUM_SPLITS, D] fp32 out: unnormalised output per split
+        count_ptr,  # [tiles * Hkv] int32 arrivals per (tile, KV head), 0 between launches
+        out_ptr,  # [H, Hq, D] output, q's dtype (FUSED_REDUCE only)
         h_len,  # H
         n_prefix,  # P
         chunk,  # prefix rows per split, a multiple of BLOCK_N
@@ -111,6 +184,8 @@ if triton is not None:
         stride_ksh,  # suffix k stride over kv heads
         stride_vst,  # suffix v stride over tokens
         stride_vsh,  # suffix v stride over kv heads
+        stride_on,  # out stride over tokens
+        stride_oh,  # out stride over heads
         GROUP: tl.constexpr,  # Hq // Hkv
         GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
         BLOCK_M: tl.constexpr,  # suffix tokens per tile; BLOCK_M * GROUP_PAD >= 16
@@ -121,6 +196,7 @@ if triton is not None:
         SPLIT_P: tl.constexpr,
         DOT_IN_FP32: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
+        FUSED_REDUCE: tl.constexpr,  # the last program of a tile combines the partials
     ):
         # Grid (tiles, Hkv, NUM_SPLITS). Tile row r = (suffix token r // GROUP_PAD, query head
         # r % GROUP_PAD of KV head h); split j < NUM_SPLITS - 1 reads prefix rows
@@ -189,38 +265,99 @@ if triton is not None:
             acc,
             mask=live_r[:, None] & mask_d[None, :],
         )
+        if FUSED_REDUCE:
+            # as gemm_residual: every thread's partial stored before the one atomic releases
+            # them (gpu scope); its acquire and the barrier handing out its result order the
+            # loads below. The last arrival combines; nobody waits.
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                _combine_splits(
+                    m_ptr, l_ptr, acc_ptr, out_ptr, tok, heads, live_r, n_heads, stride_on,
+                    stride_oh, BLOCK_M * GROUP_PAD, HEAD_DIM, BLOCK_D, NUM_SPLITS,
+                    min(BLOCK_D, 64),
+                )  # fmt: skip
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
-def plan_expert_attention(q, kp, vp, ks, vs, scale: float, bias, out, work=None) -> list[Launch]:
-    """The two launches of an expert attention call (inputs already validated): the split
-    partials, then decode_splitk's reduce over them (same workspace layout). `work`: a
-    `decode_splitk.workspace(H, Hq, D, splits)`, allocated here if None."""
+def expert_workspace(h_len: int, hq: int, hkv: int, d: int, n_prefix: int, dtype, device):
+    """(m, l, acc, counters) for `plan_expert_attention`: decode_splitk's partials for the
+    shape's split count, plus [tiles * Hkv] int32 zeros (the fused reduce's arrivals).
+
+    Allocate once per shape (a graph's row bucket) and reuse: the fused kernel leaves the
+    counters at 0, while a fresh workspace is a memset launch. Calls sharing one must run in
+    order on one stream."""
+    cfg = tile_config(dtype, hq // hkv)
+    splits = split_count(n_prefix, cfg.block_n)
+    tiles = -(-h_len // cfg.block_m) * hkv
+    count = torch.zeros(tiles, dtype=torch.int32, device=device)
+    return (*workspace(h_len, hq, d, splits, device), count)
+
+
+def check_workspace(work, h_len: int, hq: int, hkv: int, d: int, n_prefix: int, dtype) -> None:
+    """ValueError unless `work` is an `expert_workspace` for these shapes (another shape's
+    would be indexed out of its bounds)."""
+    cfg = tile_config(dtype, hq // hkv)
+    splits = split_count(n_prefix, cfg.block_n)
+    want = (
+        (h_len, hq, splits),
+        (h_len, hq, splits),
+        (h_len, hq, splits, d),
+        (-(-h_len // cfg.block_m) * hkv,),
+    )
+    got = tuple(tuple(t.shape) for t in work) if len(work) == 4 else None
+    dtypes = [t.dtype for t in work] if got is not None else None
+    if got != want or dtypes != [torch.float32] * 3 + [torch.int32]:
+        raise ValueError(f"work: expected an expert_workspace of shapes {want}, got {got}")
+
+
+def plan_expert_attention(
+    q, kp, vp, ks, vs, scale: float, bias, out, work=None, fused_reduce: bool = True
+) -> list[Launch]:
+    """The launches of an expert attention call (inputs already validated; `meta` tensors
+    work): one kernel whose last split of each tile reduces (fused_reduce), else the split
+    partials then decode_splitk's reduce over them (same workspace layout, counters unused).
+    `work`: an `expert_workspace(...)`, allocated here if None."""
     h_len, hq, d = q.shape
     n_p, hkv = kp.shape[0], kp.shape[1]
     group = hq // hkv
     cfg = tile_config(q.dtype, group)
     splits = split_count(n_p, cfg.block_n)
     chunk = chunk_blocks(n_p, cfg.block_n, splits) * cfg.block_n  # prefix rows per split
-    m, l_s, acc = workspace(h_len, hq, d, splits, q.device) if work is None else work
+    if work is None:
+        work = expert_workspace(h_len, hq, hkv, d, n_p, q.dtype, q.device)
+    m, l_s, acc, count = work
     tag = f"{str(q.dtype).removeprefix('torch.')} D={d} group={group} splits={splits}"
+    name = "expert_attention_fused" if fused_reduce else "expert_attention"
+    args = (
+        q, kp, vp, ks, vs, bias, m, l_s, acc, count, out, h_len, n_p, chunk, scale * LOG2E, hq,
+        q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
+    )  # fmt: skip
     partial = Launch(
-        name=f"expert_attention {tag} block_m={cfg.block_m} block_n={cfg.block_n}",
+        name=f"{name} {tag} block_m={cfg.block_m} block_n={cfg.block_n}",
         kernel=_expert_attention_partial,
         grid=(-(-h_len // cfg.block_m), hkv, splits),
-        args=(
-            q, kp, vp, ks, vs, bias, m, l_s, acc, h_len, n_p, chunk, scale * LOG2E, hq,
-            q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
-            ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
-        ),  # fmt: skip
-        constexprs={**tile_constexprs(cfg, group, d, q.dtype), "NUM_SPLITS": splits},
+        args=args,
+        constexprs={
+            **tile_constexprs(cfg, group, d, q.dtype),
+            "NUM_SPLITS": splits,
+            "FUSED_REDUCE": fused_reduce,
+        },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if fused_reduce:
+        return [partial]
     return [partial, plan_reduce(m, l_s, acc, out, f"expert_reduce {tag}")]
 
 
-def expert_attention_kernel(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tensor:
-    """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+def expert_attention_kernel(
+    q, kp, vp, ks, vs, scale: float, bias, work=None, fused_reduce: bool = True
+) -> torch.Tensor:
+    """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); `work`: an
+    `expert_workspace` kept by the caller, else one is allocated per call."""
     if triton is None:
         raise RuntimeError("the expert attention kernel needs triton, which is not installed")
     h_len, hq, d = q.shape
@@ -242,14 +379,17 @@ def expert_attention_kernel(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tens
         raise ValueError(
             f"bias: expected fp32 [{n_p + h_len}], got {bias.dtype} {tuple(bias.shape)}"
         )
+    if work is not None:
+        check_workspace(work, h_len, hq, hkv, d, n_p, q.dtype)
     out = torch.empty(h_len, hq, d, dtype=q.dtype, device=q.device)
-    for launch in plan_expert_attention(q, kp, vp, ks, vs, scale, bias, out):
+    for launch in plan_expert_attention(q, kp, vp, ks, vs, scale, bias, out, work, fused_reduce):
         launch.run()
     return out
 
 
-def expert_attention(q, kp, vp, ks, vs, scale: float, bias) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
+def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None) -> torch.Tensor:
+    """Dispatch: the Triton kernel (one launch, fused reduce) on CUDA, the reference
+    elsewhere. `work`: an `expert_workspace` for these shapes, reused across calls."""
     if use_kernel(q, kp, vp, ks, vs):
-        return expert_attention_kernel(q, kp, vp, ks, vs, scale, bias)
+        return expert_attention_kernel(q, kp, vp, ks, vs, scale, bias, work)
     return expert_attention_ref(q, kp, vp, ks, vs, scale, bias)

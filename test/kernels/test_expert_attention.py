@@ -10,6 +10,8 @@ from embodied_kv.kernels.expert_attention import (
     chunk_blocks,
     expert_attention_kernel,
     expert_attention_ref,
+    expert_workspace,
+    plan_expert_attention,
     split_count,
 )
 from embodied_kv.kernels.prefill_tile import tile_config
@@ -105,3 +107,48 @@ def test_bad_inputs_are_refused(kernel):
         expert_attention_kernel(q, kp, vp, ks, vs, scale, bias[:-1])
     with pytest.raises(ValueError, match="ks"):
         expert_attention_kernel(q, kp, vp, ks[:-1], vs, scale, bias)
+
+
+def _work(q, kp):
+    (h_len, hq, d), (n_p, hkv) = q.shape, kp.shape[:2]
+    return expert_workspace(h_len, hq, hkv, d, n_p, q.dtype, q.device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("case", "heads"), [("bucket", "gqa3"), ("masked_splits", "pi05")])
+def test_fused_reduce_matches_two_kernels_bytewise(kernel, dtype, case, heads):
+    """One kernel (the last split of a tile reduces) = partials + separate reduce, byte for
+    byte under the interpreter; run twice on one workspace: same bytes, counters back at 0.
+    masked_splits holds splits with no admitted row."""
+    args = inputs(case, HEADS[heads], dtype, seed=2)
+    work = _work(args[0], args[1])
+    fused = expert_attention_kernel(*args, work=work)
+    assert int(work[3].abs().sum()) == 0 and work[3].numel() > 0
+    again = expert_attention_kernel(*args, work=work)
+    two = expert_attention_kernel(*args, fused_reduce=False)
+    assert torch.equal(fused, again) and torch.equal(fused, two)
+    assert int(work[3].abs().sum()) == 0
+    exact = finite_ref(*(a.float() if torch.is_tensor(a) else a for a in args[:6]), args[6])
+    tol = FP32_TOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused.float(), exact, atol=tol, rtol=tol)
+
+
+def test_fused_is_one_launch():
+    meta = {"dtype": torch.bfloat16, "device": "meta"}
+    q, kv = torch.empty(50, 8, 256, **meta), torch.empty(1024, 1, 256, **meta)
+    bias = torch.empty(1074, device="meta")
+    fused = plan_expert_attention(q, kv, kv, q[:, :1], q[:, :1], 0.0625, bias, q)
+    two = plan_expert_attention(q, kv, kv, q[:, :1], q[:, :1], 0.0625, bias, q, None, False)
+    assert [x.name.split()[0] for x in fused] == ["expert_attention_fused"]
+    assert [x.name.split()[0] for x in two] == ["expert_attention", "expert_reduce"]
+
+
+def test_workspace_of_another_shape_is_refused(kernel):
+    a = inputs("exact", HEADS["mqa4"])
+    b = inputs("bucket", HEADS["mqa4"])
+    work = _work(a[0], a[1])
+    expert_attention_kernel(*a, work=work)
+    with pytest.raises(ValueError, match="work"):
+        expert_attention_kernel(*b, work=work)
+    out = expert_attention_kernel(*b, work=_work(b[0], b[1]))  # its own: fine
+    torch.testing.assert_close(out, finite_ref(*b), atol=FP32_TOL, rtol=FP32_TOL)
