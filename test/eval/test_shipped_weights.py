@@ -5,7 +5,8 @@ one-hop 85 %, two-hop 80 %, success 80 %) are NOT all reached by the weights shi
 the step-1,800 fine-tune of issue 34's recipe (docs/world_training.md) from the step-7,984
 weights of the retired run `world_ramp`. The thresholds guard the level they reach, one item under
 it on this set (2026-11-26: step 1,800 QA 0.75, one-hop 0.833, two-hop 0.917, success 0.25 =
-3 of 12; its step 1,202 QA 0.708, one-hop 0.833, two-hop 0.917, success 2 of 12; the step-7,984 weights: QA 0.708, one-hop 0.75, two-hop 0.833, success 0; random
+3 of 12; its step 1,202 QA 0.708, one-hop 0.833, two-hop 0.917, success 2 of 12; the
+step-7,984 weights: QA 0.708, one-hop 0.75, two-hop 0.833, success 0; random
 weights 0 everywhere), and are to be raised to the targets' margins when better weights
 ship. The file must be there: a checkout without it fails here (it is not skipped)."""
 
