@@ -177,13 +177,10 @@ def cuda_kernels(census: Census):
 def fused_as_on_cuda(expert_module):
     """The expert takes its five-kernel layer-step where CUDA would: wherever the q/k/v and
     gate/up fusions are in use (model/fused.py), whatever the device."""
+    from embodied_kv.model.expert_step import fusions_usable
+
     real = expert_module.fused_ready
-
-    def ready(layer, h):
-        a, m = layer.self_attn.fusion, layer.mlp.fusion
-        return a is not None and m is not None and a.usable() and m.usable()
-
-    expert_module.fused_ready = ready
+    expert_module.fused_ready = lambda layer, h: fusions_usable(layer)
     try:
         yield
     finally:

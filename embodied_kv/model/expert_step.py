@@ -43,11 +43,16 @@ class StepInputs:
     scale: float  # 1 / sqrt(head_dim)
 
 
-def fused_ready(layer: GemmaLayer, h: torch.Tensor) -> bool:
-    """The five-kernel path applies: on CUDA, with both fusions usable (inference, the
-    parameters still view the fused storage)."""
+def fusions_usable(layer: GemmaLayer) -> bool:
+    """Both fusions of the layer are in use (inference, the parameters still view the fused
+    storage: model/fused.py)."""
     a, m = layer.self_attn.fusion, layer.mlp.fusion
-    return h.is_cuda and a is not None and m is not None and a.usable() and m.usable()
+    return a is not None and m is not None and a.usable() and m.usable()
+
+
+def fused_ready(layer: GemmaLayer, h: torch.Tensor) -> bool:
+    """The five-kernel path applies: on CUDA, with both fusions usable."""
+    return h.is_cuda and fusions_usable(layer)
 
 
 def layer_step_ref(layer: GemmaLayer, h: torch.Tensor, s: StepInputs) -> torch.Tensor:
