@@ -5,6 +5,7 @@
     embodied-kv gpu-check [ARGS...]      # tests + pi05 benchmarks on CUDA (gpu_check.py)
     embodied-kv train [--steps N] [--minutes M] [--out DIR] [--seed S]
     embodied-kv eval world [--weights PATH] [--episodes N] [--json PATH]
+    embodied-kv eval visited --out FILE [--weights PATH] [--episodes N]   (DAgger states)
     embodied-kv serve [--config YAML] [--preset NAME] [--host H] [--port P] [--layout L]
 
 Imports nothing from ROS until `demo` runs, so `bench` works without rclpy.
@@ -107,7 +108,14 @@ _DATA_FLAGS = (
     ("--first-share", float, "rollout task: share of samples at the episode's first state"),
     ("--arm-start-share", float, "rollout task: share of episodes from a random high arm pose"),
     ("--where-share", float, "share of scene questions 'where is the X ?' (left/middle/right)"),
+    ("--visited", str, "DAgger: a file of states the policy visited (`embodied-kv eval "
+                       "visited` writes it)"),
+    ("--visited-share", float, "share of samples drawn at those states (default 0)"),
 )  # fmt: skip
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def _field(flag: str) -> str:
@@ -122,7 +130,7 @@ def train_config(args: argparse.Namespace):
     given = {k: getattr(args, k)
              for k in ("batch", "buckets", "lr", "threads", "curriculum", "ramp", "warmup",
                        "data_workers", "embed_std", "until", "stop_after", "flow_dims",
-                       "ground_weight", "ground_layer")}  # fmt: skip
+                       "ground_weight", "ground_layer", "freeze", "position_weight")}  # fmt: skip
     data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
     return TrainConfig(
         out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -157,9 +165,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from embodied_kv.eval import world
+    from embodied_kv.eval import visited, world
 
-    suites = {"world": world.main}
+    suites = {"world": world.main, "visited": visited.main}
     if args.suite not in suites:
         print(f"embodied-kv eval: no suite {args.suite!r}; known: {sorted(suites)}",
               file=sys.stderr)  # fmt: skip
@@ -237,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "container / other per patch; default 0: off)")  # fmt: skip
     tr.add_argument("--ground-layer", type=int,
                     help="backbone layers before the grounding head's image rows (default 2)")
+    tr.add_argument("--freeze", type=_names,
+                    help="model parts that keep their weights, of vision,backbone,expert; "
+                         "vision,backbone: the expert alone on the flow loss (pi0.5's "
+                         "knowledge insulation: the text skills stay byte for byte)")  # fmt: skip
+    tr.add_argument("--position-weight", type=float,
+                    help="weight of the training-only regression of each image token's patch "
+                         "column and row (default 0: off)")  # fmt: skip
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)

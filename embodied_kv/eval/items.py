@@ -13,8 +13,8 @@ from embodied_kv.kv.manager import TaskKind
 from embodied_kv.train.loop import EVAL_SEED_BASE
 from embodied_kv.world import memory, questions
 from embodied_kv.world.expert import STAGES, expert_action, expert_chunk
-from embodied_kv.world.scene import Scene, make_scene
-from embodied_kv.world.tasks import PutTask, sample_task
+from embodied_kv.world.scene import Scene
+from embodied_kv.world.tasks import PutTask, episode
 
 ACTION_MODES = ("flow", "ar")
 
@@ -49,12 +49,6 @@ class Episode:
     # from the expert's action at that state), the per-stage errors of `eval world`
     errors: list[tuple[str, float]] = field(default_factory=list)
     stage: str = ""  # the stage where it ended ("done" on success, else where it was stuck)
-
-
-def episode(scene_seed: int) -> tuple[Scene, PutTask]:
-    rng = np.random.default_rng(scene_seed)
-    scene = make_scene(rng)
-    return scene, sample_task(scene, rng)
 
 
 def run_episode(runner, cfg: EvalConfig, index: int, start: int = 0, state=None) -> Episode:

@@ -23,7 +23,7 @@ from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.grounding import GroundHead
-from embodied_kv.train.losses import add_counts, compute_losses
+from embodied_kv.train.losses import add_counts, compute_losses, expert_losses
 from embodied_kv.train.resume import (
     RunState,
     check_fresh,
@@ -35,6 +35,7 @@ from embodied_kv.train.samples import StepSamples
 from embodied_kv.world.dataset import DataConfig, Sample
 from embodied_kv.world.render import LABELS
 
+FREEZABLE = ("vision", "backbone", "expert")  # the model's parts (VLA.vision, ...)
 TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
 EVAL_SEED_BASE = 2**48  # held-out world seeds (eval/world.py) lie above every training seed
 
@@ -62,6 +63,17 @@ class TrainConfig:
     # ground_layer backbone layers: named movable / named container / other; 0 = off
     ground_weight: float = 0.0
     ground_layer: int = 2
+    # parts of the model that keep their weights (FREEZABLE). ("vision", "backbone"):
+    # knowledge insulation as pi0.5 stops the action expert's gradient at the VLM: the
+    # expert learns alone on the flow loss, every text skill stays byte for byte, the
+    # training-only heads are off and each step runs the backbone over the prefix only.
+    # ("backbone",): the vision tower and the expert learn, the language model does not
+    freeze: tuple[str, ...] = ()
+    # training-only regression of each image token's patch column and row (in [-1, 1])
+    # from the projected image tokens, an extra pair of outputs of the patch head: makes
+    # the position a linear part of what the backbone (and the expert through its K/V)
+    # reads; 0 = off (train/losses.py position_targets)
+    position_weight: float = 0.0
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 200
@@ -118,6 +130,11 @@ class TrainConfig:
         if self.flow_dims < 0 or self.ground_weight < 0 or self.ground_layer < 1:
             raise ValueError(f"flow_dims={self.flow_dims} >= 0, ground_weight="
                              f"{self.ground_weight} >= 0, ground_layer={self.ground_layer} >= 1")
+        if not set(self.freeze) <= set(FREEZABLE) or set(self.freeze) == set(FREEZABLE):
+            raise ValueError(f"freeze={self.freeze}: some of {FREEZABLE}, not all")
+        if self.position_weight < 0 or (self.position_weight > 0 and self.patch_weight <= 0):
+            raise ValueError(f"position_weight={self.position_weight} must be >= 0 and needs "
+                             "the patch head (patch_weight > 0)")  # fmt: skip
         if not 0 <= self.seed < 2**15:
             raise ValueError(f"seed {self.seed} must be in [0, 32768)")
 
@@ -174,14 +191,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     elif cfg.embed_std > 0 and not cfg.resume:
         redraw_embedding(model, cfg.embed_std, cfg.seed)
     model.train()
+    for part in cfg.freeze:
+        getattr(model, part).requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     head = None
-    if cfg.patch_weight > 0:
-        torch.manual_seed(cfg.seed)  # the patch head's init
-        head = torch.nn.Linear(mcfg.backbone.width, len(LABELS)).to(cfg.device)
+    if cfg.patch_weight > 0 and not expert_only(cfg):
+        torch.manual_seed(cfg.seed)  # the patch head's init (+2 outputs: the position)
+        outputs = len(LABELS) + (2 if cfg.position_weight > 0 else 0)
+        head = torch.nn.Linear(mcfg.backbone.width, outputs).to(cfg.device)
         params += list(head.parameters())
     ground = None
-    if cfg.ground_weight > 0:
+    if cfg.ground_weight > 0 and not expert_only(cfg):
         torch.manual_seed(cfg.seed + 1)  # the grounding head's init
         ground = GroundHead(mcfg.backbone.width, cfg.ground_layer).to(cfg.device)
         params += list(ground.parameters())
@@ -221,9 +241,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
             opt.zero_grad(set_to_none=True)
             parts = []
             for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
-                losses = compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch,
-                                        head, cfg.patch_weight, cfg.flow_dims, ground,
-                                        cfg.ground_weight)  # fmt: skip
+                losses = step_losses(cfg, model, b, gen, head, ground)
                 losses.total.backward()
                 parts.append(losses)
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -253,6 +271,20 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     bar.close()
     save_run(cfg, model, opt, head, gen, RunState(step, time.perf_counter() - start), ground)
     return records
+
+
+def expert_only(cfg: TrainConfig) -> bool:
+    """Only the expert learns: the text losses and the heads could move nothing."""
+    return {"vision", "backbone"} <= set(cfg.freeze)
+
+
+def step_losses(cfg: TrainConfig, model, b, gen, head, ground):
+    """One length bucket's losses, weighted by its share of the step's samples."""
+    if expert_only(cfg):
+        return expert_losses(model, b, gen, b.size / cfg.batch, cfg.flow_dims)
+    return compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch, head,
+                          cfg.patch_weight, cfg.flow_dims, ground, cfg.ground_weight,
+                          cfg.position_weight)  # fmt: skip
 
 
 def call_over(cfg: TrainConfig, step: int, call_seconds: float) -> bool:
@@ -339,6 +371,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "flow_real": sum(p.flow_real * p.n_samples for p in parts) / n,
         "ground": sum(p.ground * p.n_samples for p in parts) / n,
         "ground_recall": sum(p.ground_recall * p.n_samples for p in parts) / n,
+        "position": sum(p.position * p.n_samples for p in parts) / n,
         "first": first,
         "whole": whole,
         "stage": stage,

@@ -8,7 +8,8 @@ engine integrates dx/dt = v from t = 1 to 0 (model/expert.py), which this trains
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from embodied_kv.train.batch import IGNORE, Batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
 from embodied_kv.train.grounding import GroundHead
 from embodied_kv.world.expert import STAGES
+from embodied_kv.world.render import LABELS
 from embodied_kv.world.scene import REAL_ACTION_DIMS
 
 BETA_A, BETA_B = 1.5, 1.0  # openpi sample_time
@@ -45,6 +47,7 @@ class Losses:
     flow_real: float = 0.0  # the flow loss over the real action dims (scene.REAL_ACTION_DIMS)
     ground: float = 0.0  # grounding head's weighted cross-entropy (0 without the head)
     ground_recall: float = 0.0  # share of the named movable's patches the head finds
+    position: float = 0.0  # the patch head's position regression (MSE; 0 when off)
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -58,7 +61,7 @@ def compute_losses(
     model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0,
     sample_share: float = 1.0, patch_head: torch.nn.Module | None = None,
     patch_weight: float = 1.0, flow_dims: int = 0, ground_head: GroundHead | None = None,
-    ground_weight: float = 0.0,
+    ground_weight: float = 0.0, position_weight: float = 0.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
@@ -73,6 +76,70 @@ def compute_losses(
     text = per_sample_mean(F.cross_entropy(logits, targets, reduction="none"), rows, batch.size)
     right = logits.argmax(-1) == targets
     acc = right.float().mean()
+    flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims)
+    total = text + flow_weight * flow
+    ground = torch.zeros(())
+    recall = 0.0
+    if ground_head is not None and batch.ground is not None:
+        ground, recall = ground_head.loss(out.tapped, batch.ground)
+        total = total + ground_weight * ground
+    patch = patch_acc = position = torch.zeros(())
+    if patch_head is not None:  # [B, I, K] vs [B, I] (and [B, I, 2] positions)
+        outputs = patch_head(out.images.float())
+        patch_logits = outputs[..., : len(LABELS)]
+        patch = F.cross_entropy(patch_logits.flatten(0, 1), batch.patches.flatten())
+        patch_acc = (patch_logits.argmax(-1) == batch.patches).float().mean()
+        total = total + patch_weight * patch
+        if position_weight > 0:
+            target = position_targets(batch.images.shape[1], out.image_tokens, outputs.device)
+            position = F.mse_loss(outputs[..., len(LABELS) :], target.expand_as(outputs[..., -2:]))
+            total = total + position_weight * position
+    first, whole = turn_counts(batch, rows, cols, right)
+    return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
+                  float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
+                  float(patch_acc), whole, stage_errors(estimate, batch.actions, batch.phases),
+                  float(real), float(ground.detach()), recall,
+                  float(position.detach()))  # fmt: skip
+
+
+def position_targets(cameras: int, image_tokens: int, device=None) -> torch.Tensor:
+    """[1, I, 2]: each image token's patch column and row in [-1, 1] (cameras in turn,
+    each a square grid of patches in row-major order, as the vision tower emits them)."""
+    per = image_tokens // cameras
+    side = math.isqrt(per)
+    if side * side != per or per * cameras != image_tokens:
+        raise ValueError(f"{image_tokens} image tokens are not {cameras} square patch grids")
+    p = torch.arange(image_tokens, device=device) % per
+    grid = torch.stack([p % side, p // side], dim=-1).float()
+    return (grid / max(side - 1, 1) * 2 - 1)[None]
+
+
+def expert_losses(
+    model, batch: Batch, generator: torch.Generator, sample_share: float = 1.0,
+    flow_dims: int = 0,
+) -> Losses:
+    """The flow loss alone with the backbone frozen (knowledge insulation: pi0.5 stops the
+    action expert's gradient at the VLM, so the text skills stay as they are): the
+    backbone runs without autograd over the prefix only (images, prompt; the text turns
+    are not needed) and only the expert's parameters get gradients."""
+    with torch.no_grad():
+        out = backbone_forward(model, prefix_only(batch))
+    flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims)
+    return Losses(flow * sample_share, 0.0, float(flow.detach()), 0.0, {}, 0, batch.size,
+                  stage_err=stage_errors(estimate, batch.actions, batch.phases),
+                  flow_real=float(real))  # fmt: skip
+
+
+def prefix_only(batch: Batch) -> Batch:
+    """`batch` cut to its prefixes: ids up to the longest prompt, no text targets."""
+    t = int(batch.prompt_len.max())
+    return replace(batch, ids=batch.ids[:, :t], text_len=batch.prompt_len.clone(),
+                   labels=torch.full_like(batch.labels[:, :t], IGNORE))  # fmt: skip
+
+
+def flow_terms(model, out, batch: Batch, generator: torch.Generator, flow_dims: int):
+    """-> (flow loss over the first flow_dims dims (0: all), its value over the real dims
+    (detached), the one-step estimate x_t - t v of the clean chunk (detached))."""
     actions = batch.actions
     # drawn on the CPU from the seeded generator: the same noise on every device
     noise = torch.randn(actions.shape, generator=generator).to(actions.device)
@@ -83,24 +150,7 @@ def compute_losses(
     dims = flow_dims or actions.shape[-1]
     flow = F.mse_loss(v[..., :dims], (noise - actions)[..., :dims])
     real = F.mse_loss(v[..., :REAL], (noise - actions)[..., :REAL]).detach()
-    total = text + flow_weight * flow
-    ground = torch.zeros(())
-    recall = 0.0
-    if ground_head is not None and batch.ground is not None:
-        ground, recall = ground_head.loss(out.tapped, batch.ground)
-        total = total + ground_weight * ground
-    patch = patch_acc = torch.zeros(())
-    if patch_head is not None:  # [B, I, K] vs [B, I]
-        patch_logits = patch_head(out.images.float())
-        patch = F.cross_entropy(patch_logits.flatten(0, 1), batch.patches.flatten())
-        patch_acc = (patch_logits.argmax(-1) == batch.patches).float().mean()
-        total = total + patch_weight * patch
-    first, whole = turn_counts(batch, rows, cols, right)
-    estimate = (x_t - tt * v).detach()  # the one-step estimate of the clean chunk
-    return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
-                  float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
-                  float(patch_acc), whole, stage_errors(estimate, actions, batch.phases),
-                  float(real), float(ground.detach()), recall)  # fmt: skip
+    return flow, real, (x_t - tt * v).detach()
 
 
 def stage_errors(estimate: torch.Tensor, actions: torch.Tensor, phases) -> dict:

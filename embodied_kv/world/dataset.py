@@ -18,7 +18,9 @@ on object detection — one label per patch instead of one answer word per quest
 arm is": only states before the expert's success, `first_share` of them the episode's first
 (the pose eval starts from), `arm_start_share` of the episodes from a random high arm pose;
 each sample also labels its patches as the named movable / named container / other
-(`ground`: the training-only grounding head's target, train/losses.py).
+(`ground`: the training-only grounding head's target, train/losses.py). `visited_share`
+(DAgger) draws that share of the samples at states a trained policy visited in closed loop
+(world/visited.py), labelled by the expert the same way.
 
 Answers and plans carry `turns` questions about the same scene / facts: the first is
 laid out exactly as the engine asks it, the others follow it ('\nQuestion: ...' again,
@@ -38,6 +40,7 @@ from embodied_kv.world.questions import sample_question
 from embodied_kv.world.render import label_of, observation_images, patch_labels
 from embodied_kv.world.scene import ACTION_DIM, Scene, make_scene
 from embodied_kv.world.tasks import PutTask, sample_task
+from embodied_kv.world.visited import load_visited
 from embodied_kv.world.vocab import COLOURS, CONTAINERS
 
 TEXT_KINDS = ("answer", "plan", "narration", "actions")
@@ -67,6 +70,10 @@ class DataConfig:
     first_share: float = 0.0  # "task": share of samples at the episode's first state
     arm_start_share: float = 0.0  # "task": share of episodes from a random high arm pose
     where_share: float = 0.0  # share of scene questions "where is the X ?" (left/middle/right)
+    # DAgger: a share of the samples at states the policy itself visited (world/visited.py
+    # file, eval/visited.py collects it), labelled by the expert; the rest as `rollout`
+    visited: str = ""
+    visited_share: float = 0.0
 
     def __post_init__(self):
         if len(self.text_mix) != len(TEXT_KINDS) or min(self.text_mix) < 0 or sum(
@@ -76,7 +83,7 @@ class DataConfig:
                              f"not all 0 ({TEXT_KINDS})")  # fmt: skip
         if not all(0 <= x <= 1 for x in (self.two_hop_share, self.perturb, self.memory_hard,
                                          self.first_share, self.arm_start_share,
-                                         self.where_share)):  # fmt: skip
+                                         self.where_share, self.visited_share)):  # fmt: skip
             raise ValueError(f"shares must be in [0, 1]: {self}")
         if self.horizon < 1 or self.max_rollout < 0 or self.memory_updates < 0:
             raise ValueError(f"bad data config: {self}")
@@ -84,6 +91,8 @@ class DataConfig:
             raise ValueError(f"two_hop_answer {self.two_hop_answer!r}: one of {ANSWER_FORMS}")
         if self.rollout not in ROLLOUTS:
             raise ValueError(f"rollout {self.rollout!r}: one of {ROLLOUTS}")
+        if self.visited_share > 0 and not self.visited:
+            raise ValueError(f"visited_share {self.visited_share} needs a visited states file")
         if self.turns < 1 or not 2 <= self.memory_objects <= MAX_OBJECTS:
             raise ValueError(f"turns >= 1 and memory_objects in [2, {MAX_OBJECTS}]: {self}")
 
@@ -113,16 +122,11 @@ class Sample:
 def make_sample(cfg: DataConfig, seed: int) -> Sample:
     """Sample number `seed`: a pure function of (cfg, seed)."""
     rng = np.random.default_rng(seed)
-    scene = make_scene(rng)
-    task = sample_task(scene, rng)
-    if cfg.rollout == "task":
-        task_state(cfg, scene, task, rng)
+    if cfg.visited_share > 0 and rng.random() < cfg.visited_share:  # no draw at share 0
+        states = load_visited(cfg.visited)
+        scene, task = states[int(rng.integers(len(states)))].replay()
     else:
-        if rng.random() < cfg.perturb:
-            perturb(scene, rng)
-        for _ in range(int(rng.integers(0, cfg.max_rollout + 1))):
-            act, _ = expert_action(scene, task)
-            scene.step(act)
+        scene, task = rollout_state(cfg, rng)
     _, phase = expert_action(scene, task)
     mix = np.asarray(cfg.text_mix) / sum(cfg.text_mix)
     kind = TEXT_KINDS[rng.choice(len(TEXT_KINDS), p=mix)]
@@ -152,6 +156,21 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         ground=ground_labels(patches, task),
         phase=phase,
     )
+
+
+def rollout_state(cfg: DataConfig, rng: np.random.Generator) -> tuple[Scene, PutTask]:
+    """A fresh scene and task, moved to a state of the expert's rollout (cfg.rollout)."""
+    scene = make_scene(rng)
+    task = sample_task(scene, rng)
+    if cfg.rollout == "task":
+        task_state(cfg, scene, task, rng)
+    else:
+        if rng.random() < cfg.perturb:
+            perturb(scene, rng)
+        for _ in range(int(rng.integers(0, cfg.max_rollout + 1))):
+            act, _ = expert_action(scene, task)
+            scene.step(act)
+    return scene, task
 
 
 def perturb(scene: Scene, rng: np.random.Generator) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embodied_kv.world.scene import Scene
+from embodied_kv.world.scene import Scene, make_scene
 
 
 @dataclass(frozen=True)
@@ -32,3 +32,11 @@ def sample_task(scene: Scene, rng: np.random.Generator) -> PutTask:
         raise ValueError("every movable is already in every container")
     m, c = pairs[rng.integers(len(pairs))]
     return PutTask(m, c)
+
+
+def episode(scene_seed: int) -> tuple[Scene, PutTask]:
+    """World episode `scene_seed`: its scene and task (eval's held-out items, the states
+    the policy visits in world/visited.py)."""
+    rng = np.random.default_rng(scene_seed)
+    scene = make_scene(rng)
+    return scene, sample_task(scene, rng)
