@@ -1,4 +1,8 @@
-"""Vision tower (SigLIP, no pooling head) and the linear projector to the backbone."""
+"""Vision tower (SigLIP, no pooling head) and the linear projector to the backbone.
+
+The HF `SiglipVisionModel` holds the weights (checkpoint keys, loaders); its encoder runs
+as few kernels per layer by default (model/vision_fast.py: fused q/k/v, SDPA), HF's eager
+forward with `reference=True`."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from torch import nn
 from transformers import SiglipVisionConfig, SiglipVisionModel
 
 from embodied_kv.model.config import VisionConfig
+from embodied_kv.model.vision_fast import FastEncoder
 
 
 class VisionEncoder(nn.Module):
@@ -27,6 +32,7 @@ class VisionEncoder(nn.Module):
         hf._attn_implementation = "eager"
         self.tower = SiglipVisionModel(hf)
         self.projector = nn.Linear(cfg.width, out_width)
+        self.fast = FastEncoder(self.tower.encoder)  # no parameters of its own
 
     def reset_buffers(self) -> None:
         """Non-parameter state lost when the module was built on the meta device."""
@@ -34,8 +40,9 @@ class VisionEncoder(nn.Module):
         n = emb.position_ids.shape[-1]
         emb.position_ids.copy_(torch.arange(n, device=emb.position_ids.device).expand(1, -1))
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """images [C, 3, S, S] in [-1, 1] -> image tokens [C, P, W_backbone]."""
+    def forward(self, images: torch.Tensor, reference: bool = False) -> torch.Tensor:
+        """images [C, 3, S, S] in [-1, 1] -> image tokens [C, P, W_backbone]; `reference`:
+        the encoder as HF's eager forward (the fast path's tests compare against it)."""
         s = self.cfg.image_size
         if images.dim() != 4 or tuple(images.shape[1:]) != (3, s, s):
             raise ValueError(f"expected images [C, 3, {s}, {s}], got {tuple(images.shape)}")
@@ -44,5 +51,7 @@ class VisionEncoder(nn.Module):
         # encoder and projector run in the model dtype. = SiglipVisionModel.forward.
         emb = t.embeddings(images.to(t.embeddings.patch_embedding.weight.dtype))
         dtype = self.projector.weight.dtype
-        feats = t.post_layernorm(t.encoder(inputs_embeds=emb.to(dtype)).last_hidden_state)
+        h = emb.to(dtype)
+        h = t.encoder(inputs_embeds=h).last_hidden_state if reference else self.fast(h)
+        feats = t.post_layernorm(h)
         return self.projector(feats)  # [C, P, W_backbone]

@@ -1,0 +1,171 @@
+"""The SigLIP encoder's fast path (model/vision_fast.py) against HF's eager forward: the
+same outputs (fp32 tight, bf16 within the eager path's own bf16 error), weights loaded
+after the first forward reach it, gradients match, and it launches fewer kernels."""
+
+import pytest
+import torch
+
+from embodied_kv.bench.estimate import H100
+from embodied_kv.bench.kernel_census import Census, Roofline
+from embodied_kv.model.config import get_preset
+from embodied_kv.model.vision import VisionEncoder
+from embodied_kv.model.vla import build_model
+from embodied_kv.model.weights import load_weights, save_weights
+
+TOL_FP32 = 1e-5  # relative to the output's max: SDPA sums the attention in another order
+BF16_FACTOR = 2.0  # the fast path's bf16 error vs fp32 <= twice the eager path's
+# LayerNorm, q/k/v GEMM, SDPA, out_proj GEMM, residual add, LayerNorm, fc1 GEMM, GELU,
+# fc2 GEMM, residual add
+MAX_KERNELS_PER_LAYER = 10
+EAGER_ONLY_OPS = ("bmm", "softmax", "clone", "_to_copy", "mul")  # attention as plain ops
+
+
+def config(name: str, **kw):
+    return get_preset(name, tokenizer="bytes", **kw)  # the vision tower is the preset's
+
+
+def images(cfg, cams: int = 2, seed: int = 0) -> torch.Tensor:
+    s = cfg.vision.image_size
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(cams, 3, s, s, generator=g) * 2 - 1
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def perturbed(cfg):
+    """Other vision weights of the same config (fp32)."""
+    m = build_model(cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in m.vision.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def fusion_in_use(vision: VisionEncoder) -> bool:
+    f = vision.fast.fusions[0]
+    q = vision.tower.encoder.layers[0].self_attn.q_proj.weight
+    return f.current() and q.untyped_storage().data_ptr() == f.weight.data_ptr()
+
+
+@pytest.mark.parametrize("name", ["tiny", "world"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_fast_path_equals_hf_eager_after_a_load(tmp_path, name, dtype):
+    cfg = config(name)
+    m = build_model(cfg, dtype=dtype)
+    imgs = images(cfg)
+    before = m.vision(imgs)  # fuses q/k/v over the random weights
+    assert fusion_in_use(m.vision)
+    src = perturbed(cfg)
+    save_weights(src, tmp_path / "w.safetensors")
+    load_weights(m, tmp_path / "w.safetensors")  # copied in place into the fused views
+    fast = m.vision(imgs)
+    ref = m.vision(imgs, reference=True)
+    gold = src.vision(imgs, reference=True)  # fp32 eager over the loaded weights
+    assert fusion_in_use(m.vision)
+    assert rel_err(before, gold) > 0.05, "the load must change the output"
+    err, eager_err = rel_err(fast, gold), rel_err(ref, gold)
+    print(f"{name} {dtype}: fast vs fp32 eager {err:.2e}, eager vs fp32 eager {eager_err:.2e}")
+    if dtype == torch.float32:
+        assert err <= TOL_FP32 and rel_err(fast, ref) <= TOL_FP32
+    else:
+        assert 0 < eager_err < 0.05
+        assert err <= BF16_FACTOR * eager_err
+
+
+@torch.no_grad()
+def test_a_replaced_or_moved_weight_is_fused_again():
+    cfg = config("tiny")
+    m = build_model(cfg)
+    v, imgs = m.vision, images(cfg)
+    v(imgs)
+    attn = v.tower.encoder.layers[1].self_attn
+    attn.v_proj.weight = torch.nn.Parameter(attn.v_proj.weight.detach() * 2)
+    assert not v.fast.fusions[1].current() and v.fast.fusions[0].current()
+    assert rel_err(v(imgs), v(imgs, reference=True)) <= TOL_FP32
+    assert v.fast.fusions[1].current()
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == v.fast.fusions[1].weight.data_ptr()
+    v.double()  # every parameter replaced
+    assert not any(f.current() for f in v.fast.fusions)
+    out = v(imgs.double())
+    # HF's eager softmax runs in fp32 whatever the dtype: that is the 1e-7 here
+    assert out.dtype == torch.float64 and rel_err(out, v(imgs.double(), reference=True)) < 1e-6
+    assert all(f.current() for f in v.fast.fusions)
+
+
+def test_gradients_match_eager_and_a_step_reaches_the_fused_weights():
+    cfg = config("tiny")
+    m = build_model(cfg)
+    v, imgs = m.vision, images(cfg)
+    with torch.no_grad():
+        v(imgs)  # the q/k/v Parameters now view the fused storage
+    weight = torch.randn(v(imgs).shape, generator=torch.Generator().manual_seed(3))
+    grads = {}
+    for reference in (True, False):
+        v.zero_grad(set_to_none=True)
+        (v(imgs, reference=reference) * weight).sum().backward()
+        grads[reference] = {n: p.grad.clone() for n, p in v.named_parameters()}
+    assert grads[True].keys() == grads[False].keys()
+    scale = max(float(g.abs().max()) for g in grads[True].values())
+    for n, g in grads[True].items():
+        if n.endswith("k_proj.bias"):  # softmax ignores a per-query shift: zero but rounding
+            assert max(g.abs().max(), grads[False][n].abs().max()) <= 1e-5 * scale, n
+        else:
+            assert rel_err(grads[False][n], g) <= 1e-4, n
+    torch.optim.SGD(v.parameters(), lr=0.5).step()  # in place, into the fused views
+    with torch.no_grad():
+        assert fusion_in_use(v)
+        fast, ref = v(imgs), v(imgs, reference=True)
+    assert rel_err(fast, ref) <= TOL_FP32
+
+
+def kernels(vision: VisionEncoder, imgs: torch.Tensor, reference: bool) -> Census:
+    with torch.no_grad():
+        vision(imgs, reference=reference)  # warm-up, as before a graph capture
+        census = Census(Roofline(**H100))
+        with census, census.region("vision"):
+            vision(imgs, reference=reference)
+    return census
+
+
+def pi05_width_tower(layers: int) -> VisionEncoder:
+    """pi05's vision widths (1152, 16 heads of 72, mlp 4304) at `layers`, bf16 encoder."""
+    cfg = get_preset("pi05", vision_layers=layers)
+    with torch.device("meta"):
+        v = VisionEncoder(cfg.vision, cfg.backbone.width)
+    v = v.to_empty(device="cpu").eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in v.parameters():
+            p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    v.reset_buffers()
+    v.to(torch.bfloat16)
+    v.tower.embeddings.float()  # model/precision.py
+    return v
+
+
+@pytest.mark.parametrize("preset", ["tiny", "pi05"])
+def test_fast_path_launches_fewer_kernels(preset):
+    counts, ops = {}, {}
+    for depth in (1, 2):
+        if preset == "pi05":
+            v, imgs = pi05_width_tower(depth), images(get_preset("pi05"), cams=1)
+        else:
+            cfg = config(preset, vision_layers=depth)
+            v, imgs = build_model(cfg, dtype=torch.bfloat16).vision, images(cfg, cams=1)
+        for reference in (True, False):
+            census = kernels(v, imgs, reference)
+            counts[depth, reference] = census.tallies["vision"].kernels
+            ops[depth, reference] = {op for (_, op), t in census.by_op.items() if t.kernels}
+    fast = counts[2, False] - counts[1, False]
+    eager = counts[2, True] - counts[1, True]
+    print(f"{preset}: kernels per layer eager {eager}, fast {fast}; one-layer tower eager "
+          f"{counts[1, True]}, fast {counts[1, False]}")  # fmt: skip
+    assert fast <= MAX_KERNELS_PER_LAYER < eager
+    assert counts[1, False] - fast == counts[1, True] - eager  # embeddings, head: unchanged
+    per_layer_ops = ops[2, False] - {op for op in ops[1, False] if "_to_copy" in op}
+    assert not [op for op in per_layer_ops if any(e in op for e in EAGER_ONLY_OPS)], ops
+    assert any("scaled_dot_product" in op for op in ops[1, False])
