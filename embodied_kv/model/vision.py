@@ -32,7 +32,7 @@ class VisionEncoder(nn.Module):
         hf._attn_implementation = "eager"
         self.tower = SiglipVisionModel(hf)
         self.projector = nn.Linear(cfg.width, out_width)
-        self.fast = FastEncoder(self.tower.encoder)  # no parameters of its own
+        self.fast = FastEncoder(self.tower.encoder, self.tower.post_layernorm)  # no params
 
     def reset_buffers(self) -> None:
         """Non-parameter state lost when the module was built on the meta device."""
@@ -51,7 +51,8 @@ class VisionEncoder(nn.Module):
         # encoder and projector run in the model dtype. = SiglipVisionModel.forward.
         emb = t.embeddings(images.to(t.embeddings.patch_embedding.weight.dtype))
         dtype = self.projector.weight.dtype
-        h = emb.to(dtype)
-        h = t.encoder(inputs_embeds=h).last_hidden_state if reference else self.fast(h)
-        feats = t.post_layernorm(h)
+        if reference:
+            feats = t.post_layernorm(t.encoder(inputs_embeds=emb.to(dtype)).last_hidden_state)
+        else:
+            feats = self.fast(emb.to(dtype))  # post_layernorm included
         return self.projector(feats)  # [C, P, W_backbone]

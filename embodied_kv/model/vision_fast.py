@@ -1,17 +1,20 @@
 """SigLIP's encoder layers as few kernels, over the HF module's own parameters (issue 33).
 
     HF eager (reference)                          fast (default)
-    LayerNorm                                     LayerNorm
+    LayerNorm                                     (the previous layer's last kernel)
     q, k, v GEMMs (3), view + transpose each      one q/k/v GEMM, bias in the GEMM (QkvFusion)
     q k^T, scale, fp32 softmax, cast, p v,        scaled_dot_product_attention (one kernel;
     transpose + contiguous copy                   its output rows are already [tokens, W])
-    out_proj GEMM, residual add                   out_proj GEMM (bias in it), residual add
-    LayerNorm, fc1 GEMM, GELU-tanh,               LayerNorm, fc1 GEMM (bias in it), GELU-tanh,
-    fc2 GEMM, residual add                        fc2 GEMM (bias in it), residual add
+    out_proj GEMM, residual add, LayerNorm        out_proj GEMM (bias in it), add_layer_norm
+    fc1 GEMM, GELU-tanh                           fc1 GEMM (bias in it), GELU-tanh
+    fc2 GEMM, residual add                        fc2 GEMM (bias in it), add_layer_norm with
+    (next layer's LayerNorm / post_layernorm)     the next layer's layer_norm1 / post_layernorm
 
-Ten kernels per layer, against the eager path's ~20 (test/model/test_vision_fast.py counts
-both at the dispatcher). The sums run in the reference's order (GEMM + bias, then + the
-residual), so fp32 differs from HF's eager forward only by the attention's reduction order.
+On CUDA `add_layer_norm` is one Triton kernel (kernels/add_layer_norm.py): 8 kernels per
+layer against the eager path's 18 (test/model/test_vision_fast.py counts both at the
+dispatcher); elsewhere it is its reference, the add and the LayerNorm (10 per layer). The
+sums run in the reference's order (GEMM + bias, then + the residual), so fp32 differs from
+HF's eager forward only by the attention's reduction order (and HF's fp32 softmax).
 
 The HF `SiglipVisionModel` stays the owner of the weights: checkpoint keys, loaders and
 optimizers see its q/k/v Parameters, which `QkvFusion` makes views of one [3W, W] weight
@@ -32,6 +35,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from embodied_kv.kernels import add_layer_norm as residual_norm
 
 
 class QkvFusion:
@@ -76,25 +81,26 @@ class QkvFusion:
         return self.weight, self.bias
 
 
-def encoder_layer(layer: nn.Module, fusion: QkvFusion, h: torch.Tensor) -> torch.Tensor:
-    """One SiglipEncoderLayer: h [C, P, W] -> [C, P, W]."""
-    c, p, width = h.shape
-    attn, mlp = layer.self_attn, layer.mlp
+def encoder_layer(
+    layer: nn.Module, fusion: QkvFusion, x: torch.Tensor, xn: torch.Tensor, cams: int,
+    next_norm: nn.LayerNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One SiglipEncoderLayer over the stream x [C*P, W] and its layer_norm1 xn -> (the
+    stream after the layer, `next_norm` of it: the next layer's layer_norm1 or the tower's
+    post_layernorm)."""
+    attn, mlp, width = layer.self_attn, layer.mlp, x.shape[-1]
     heads, d = attn.num_heads, attn.head_dim
-    x = h.reshape(c * p, width)
-    n1 = layer.layer_norm1
-    xn = F.layer_norm(x, (width,), n1.weight, n1.bias, n1.eps)
     w_qkv, b_qkv = fusion.weights()
     qkv = torch.addmm(b_qkv, xn, w_qkv.t())  # [C*P, 3W]
-    q, k, v = qkv.view(c, p, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # [C, H, P, D]
+    q, k, v = qkv.view(cams, -1, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # [C, H, P, D]
     o = F.scaled_dot_product_attention(q, k, v, scale=attn.scale)  # [C, H, P, D]
-    o = o.transpose(1, 2).reshape(c * p, width)  # a view where SDPA wrote [C, P, H, D]
-    x = torch.addmm(attn.out_proj.bias, o, attn.out_proj.weight.t()).add_(x)
+    o = o.transpose(1, 2).reshape(-1, width)  # a view where SDPA wrote [C, P, H, D]
+    y = torch.addmm(attn.out_proj.bias, o, attn.out_proj.weight.t())
     n2 = layer.layer_norm2
-    xn = F.layer_norm(x, (width,), n2.weight, n2.bias, n2.eps)
+    x, xn = residual_norm.add_layer_norm(x, y, n2.weight, n2.bias, n2.eps)
     a = F.gelu(torch.addmm(mlp.fc1.bias, xn, mlp.fc1.weight.t()), approximate="tanh")
-    x = torch.addmm(mlp.fc2.bias, a, mlp.fc2.weight.t()).add_(x)
-    return x.view(c, p, width)
+    y = torch.addmm(mlp.fc2.bias, a, mlp.fc2.weight.t())
+    return residual_norm.add_layer_norm(x, y, next_norm.weight, next_norm.bias, next_norm.eps)
 
 
 def check_supported(encoder: nn.Module) -> None:
@@ -107,15 +113,22 @@ def check_supported(encoder: nn.Module) -> None:
 
 
 class FastEncoder:
-    """The HF SiglipEncoder's layers run by `encoder_layer`, one QkvFusion per layer."""
+    """The HF SiglipEncoder's layers and the tower's post_layernorm run by `encoder_layer`,
+    one QkvFusion per layer."""
 
-    def __init__(self, encoder: nn.Module):
+    def __init__(self, encoder: nn.Module, post_layernorm: nn.LayerNorm):
         check_supported(encoder)
         self.layers = list(encoder.layers)
+        self.post_layernorm = post_layernorm
         self.fusions = [QkvFusion(layer.self_attn) for layer in self.layers]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """inputs_embeds [C, P, W] -> last hidden state [C, P, W]."""
-        for layer, fusion in zip(self.layers, self.fusions, strict=True):
-            h = encoder_layer(layer, fusion, h)
-        return h
+        """inputs_embeds [C, P, W] -> post_layernorm(last hidden state) [C, P, W]."""
+        cams, _, width = h.shape
+        x = h.reshape(-1, width)
+        n1 = self.layers[0].layer_norm1
+        xn = F.layer_norm(x, (width,), n1.weight, n1.bias, n1.eps)
+        norms = [layer.layer_norm1 for layer in self.layers[1:]] + [self.post_layernorm]
+        for layer, fusion, norm in zip(self.layers, self.fusions, norms, strict=True):
+            x, xn = encoder_layer(layer, fusion, x, xn, cams, norm)
+        return xn.view(h.shape)

@@ -2,11 +2,15 @@
 same outputs (fp32 tight, bf16 within the eager path's own bf16 error), weights loaded
 after the first forward reach it, gradients match, and it launches fewer kernels."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
-from embodied_kv.bench.estimate import H100
+import embodied_kv.kernels.add_layer_norm as residual_norm
+from embodied_kv.bench.estimate import H100, as_one_kernel
 from embodied_kv.bench.kernel_census import Census, Roofline
+from embodied_kv.kernels.triton_base import INTERPRETED, triton
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.vision import VisionEncoder
 from embodied_kv.model.vla import build_model
@@ -14,9 +18,9 @@ from embodied_kv.model.weights import load_weights, save_weights
 
 TOL_FP32 = 1e-5  # relative to the output's max: SDPA sums the attention in another order
 BF16_FACTOR = 2.0  # the fast path's bf16 error vs fp32 <= twice the eager path's
-# LayerNorm, q/k/v GEMM, SDPA, out_proj GEMM, residual add, LayerNorm, fc1 GEMM, GELU,
-# fc2 GEMM, residual add
-MAX_KERNELS_PER_LAYER = 10
+# q/k/v GEMM, SDPA, out_proj GEMM, add + LayerNorm, fc1 GEMM, GELU, fc2 GEMM, add + LayerNorm
+MAX_KERNELS_PER_LAYER = 8  # as on CUDA: each add + LayerNorm one Triton kernel
+MAX_CPU_OPS_PER_LAYER = 10  # on the CPU each is its reference, two ops
 EAGER_ONLY_OPS = ("bmm", "softmax", "clone", "_to_copy", "mul")  # attention as plain ops
 
 
@@ -122,11 +126,19 @@ def test_gradients_match_eager_and_a_step_reaches_the_fused_weights():
     assert rel_err(fast, ref) <= TOL_FP32
 
 
-def kernels(vision: VisionEncoder, imgs: torch.Tensor, reference: bool) -> Census:
+def add_layer_norm_cost(x, y, weight, bias, eps) -> tuple[float, float]:
+    """kernels/add_layer_norm.py: x and y read once, the sum and the norm written once."""
+    return 8.0 * x.numel(), 4.0 * x.numel() * x.element_size() + 2 * weight.nbytes
+
+
+def kernels(vision: VisionEncoder, imgs: torch.Tensor, reference: bool, cuda: bool) -> Census:
+    """The census of one forward; `cuda`: the Triton kernels counted as the one kernel each
+    is on CUDA (bench/estimate.py's as_one_kernel)."""
     with torch.no_grad():
         vision(imgs, reference=reference)  # warm-up, as before a graph capture
         census = Census(Roofline(**H100))
-        with census, census.region("vision"):
+        fused = as_one_kernel(census, residual_norm, "add_layer_norm", add_layer_norm_cost)
+        with census, fused if cuda else nullcontext(), census.region("vision"):
             vision(imgs, reference=reference)
     return census
 
@@ -156,16 +168,48 @@ def test_fast_path_launches_fewer_kernels(preset):
         else:
             cfg = config(preset, vision_layers=depth)
             v, imgs = build_model(cfg, dtype=torch.bfloat16).vision, images(cfg, cams=1)
-        for reference in (True, False):
-            census = kernels(v, imgs, reference)
-            counts[depth, reference] = census.tallies["vision"].kernels
-            ops[depth, reference] = {op for (_, op), t in census.by_op.items() if t.kernels}
-    fast = counts[2, False] - counts[1, False]
-    eager = counts[2, True] - counts[1, True]
-    print(f"{preset}: kernels per layer eager {eager}, fast {fast}; one-layer tower eager "
-          f"{counts[1, True]}, fast {counts[1, False]}")  # fmt: skip
-    assert fast <= MAX_KERNELS_PER_LAYER < eager
-    assert counts[1, False] - fast == counts[1, True] - eager  # embeddings, head: unchanged
-    per_layer_ops = ops[2, False] - {op for op in ops[1, False] if "_to_copy" in op}
+        for path in ("eager", "cpu", "cuda"):
+            census = kernels(v, imgs, reference=path == "eager", cuda=path == "cuda")
+            counts[depth, path] = census.tallies["vision"].kernels
+            ops[depth, path] = {op for (_, op), t in census.by_op.items() if t.kernels}
+    per_layer = {path: counts[2, path] - counts[1, path] for path in ("eager", "cpu", "cuda")}
+    print(f"{preset}: kernels per layer {per_layer}; one-layer tower "
+          f"{ {p: counts[1, p] for p in per_layer} }")  # fmt: skip
+    assert per_layer["cuda"] <= MAX_KERNELS_PER_LAYER < per_layer["eager"]
+    assert per_layer["cpu"] <= MAX_CPU_OPS_PER_LAYER
+    for path in ("cpu", "cuda"):  # embeddings, projector: unchanged
+        assert counts[1, path] - per_layer[path] == counts[1, "eager"] - per_layer["eager"]
+    per_layer_ops = ops[2, "cpu"] - {op for op in ops[1, "cpu"] if "_to_copy" in op}
     assert not [op for op in per_layer_ops if any(e in op for e in EAGER_ONLY_OPS)], ops
-    assert any("scaled_dot_product" in op for op in ops[1, False])
+    assert any("scaled_dot_product" in op for op in ops[1, "cpu"])
+    assert "single_kernel" in ops[1, "cuda"]
+
+
+@pytest.mark.skipif(
+    triton is None or not (INTERPRETED or torch.cuda.is_available()),
+    reason="the add + LayerNorm kernel needs triton (a GPU, or TRITON_INTERPRET=1)",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_fast_path_through_the_triton_kernel(monkeypatch, dtype):
+    """The tower as CUDA runs it: every add + LayerNorm by the Triton kernel (here under
+    the interpreter), against HF's eager forward."""
+    cfg = config("world")
+    m = build_model(cfg, dtype=dtype)
+    gold = build_model(cfg).vision(images(cfg), reference=True)
+    ref = m.vision(images(cfg), reference=True)
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[0].shape)
+        return residual_norm.add_layer_norm_kernel(*args)
+
+    monkeypatch.setattr(residual_norm, "add_layer_norm", kernel)
+    out = m.vision(images(cfg))
+    assert len(calls) == 2 * cfg.vision.layers
+    err, eager_err = rel_err(out, gold), rel_err(ref, gold)
+    print(f"triton {dtype}: fast vs fp32 eager {err:.2e}, eager vs fp32 eager {eager_err:.2e}")
+    if dtype == torch.float32:
+        assert err <= TOL_FP32
+    else:
+        assert err <= BF16_FACTOR * eager_err
