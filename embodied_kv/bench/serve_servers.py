@@ -1,7 +1,8 @@
-"""The servers `bench serve` compares, each on an event loop of its own thread.
+"""The servers `bench serve` compares, each run by a thread of its own (ServerThread).
 
-    ours        serve/server.py PolicyServer: engine work on its engine thread, the
-                loop free for every connection's I/O
+    ours        serve/server.py PolicyServer: websockets' synchronous server, a thread
+                per connection that unpacks, converts, takes the engine's turn, packs
+                and sends; other connections' threads do their I/O meanwhile
     openpi      openpi's WebsocketPolicyServer design (src/openpi/serving/
                 websocket_policy_server.py) over the same ServePolicy: the handler calls
                 the policy on the event loop, so while one frame is computed no other
@@ -14,6 +15,7 @@ the engine runs differs.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 
@@ -64,13 +66,15 @@ class OpenpiDesignServer:
 
 
 class ServerThread:
-    """A server's `run(ready, stop)` on a new event loop in a daemon thread."""
+    """A server's `run(ready, stop)` in a daemon thread: ours (synchronous, a
+    threading.Event stops it) directly, openpi's design (a coroutine) on a new event
+    loop of that thread (an asyncio.Event stops it)."""
 
     def __init__(self, server: PolicyServer | OpenpiDesignServer, name: str):
         self.server = server
         self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | threading.Event | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -78,6 +82,11 @@ class ServerThread:
             raise RuntimeError(f"{name} did not start listening")
 
     def _main(self) -> None:
+        if not inspect.iscoroutinefunction(self.server.run):
+            self._stop = threading.Event()
+            self.server.run(self._listening, self._stop)
+            return
+        self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
 
         async def body():
@@ -91,5 +100,8 @@ class ServerThread:
         self._ready.set()
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
+        if self._loop is None:
+            self._stop.set()
+        else:
+            self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)

@@ -12,7 +12,6 @@ config.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 
@@ -59,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _log(f"serving ws://{cfg.host}:{port}")
 
     try:
-        asyncio.run(server.run(ready))
+        server.run(ready)
     except OSError as e:  # the port is taken, the address is not ours
         print(f"embodied-kv serve: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
         return 2

@@ -2,26 +2,34 @@
 
 As openpi's WebsocketPolicyServer (src/openpi/serving/websocket_policy_server.py): the
 metadata map on connect, then one response per request frame, "server_timing" in it,
-compression off, GET /healthz answered. Unlike it, inference never runs on the event
-loop (openpi #717): frames are read, unpacked and answered on the loop while the engine
-works on its own thread, one frame at a time in arrival order (one executor worker),
-so every connection keeps its I/O while another's chunk is computed. A bad frame gets
-an error text frame (openpi's client raises RuntimeError with it) and the connection
-stays open; a frame over max_frame_bytes closes that connection (1009). SIGINT or
-SIGTERM: stop accepting, finish the frame in flight, close every connection, return.
+compression off, GET /healthz answered. Unlike it, inference never blocks another
+connection's I/O (openpi #717): websockets' synchronous server gives every connection
+its own thread (and websockets its own reader thread), which receives a frame, unpacks
+it and converts its images (ServePolicy.prepare, concurrently with other connections),
+then takes the engine's turn (one lock: the engine is single-threaded) for the engine
+work (ServePolicy.run), packs and sends the reply itself. No event loop and no hop to
+an engine thread and back: torch releases the GIL while it computes, so the other
+connections' threads keep reading, answering errors and accepting meanwhile.
+
+server_timing: infer_ms (prepare + run, the lock wait excluded), queue_ms (the wait for
+the engine's turn), prev_total_ms (the previous request of this connection: frame in
+hand -> reply sent, openpi's). A bad frame gets an error text frame (openpi's client
+raises RuntimeError with it) and the connection stays open; a frame over
+max_frame_bytes closes that connection (1009); a closed connection's session leaves the
+engine's store. SIGINT or SIGTERM (or `stop`): stop accepting, close every connection
+(1001), wait for every connection's thread (the frame in flight finishes), return.
 """
 
 from __future__ import annotations
 
-import asyncio
 import http
 import signal
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import websockets
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.sync.server import ServerConnection, serve
 
 from embodied_kv.serve import wire
 from embodied_kv.serve.config import ServeConfig
@@ -29,102 +37,90 @@ from embodied_kv.serve.policy import ServePolicy
 from embodied_kv.serve.session import Session
 
 ERROR_PREFIX = "embodied-kv serve: "
+POLL_S = 0.1  # how often run() looks at its stop flags
 
 
 class PolicyServer:
     def __init__(self, policy: ServePolicy, cfg: ServeConfig, log: Callable[[str], None]):
         self.policy, self.cfg, self._log = policy, cfg, log
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._turn = threading.Lock()  # the engine's: one frame's engine work at a time
+        self._count = threading.Lock()
         self._metadata = wire.pack(policy.metadata())
         self.connections = 0
 
-    async def run(
-        self, ready: Callable[[int], None] = lambda port: None, stop: asyncio.Event | None = None
+    def run(
+        self, ready: Callable[[int], None] = lambda port: None, stop: threading.Event | None = None
     ) -> None:
         """Serve until `stop` is set, or without one until SIGINT / SIGTERM (main thread
-        only); `ready(port)` once listening (port 0: any)."""
+        only); `ready(port)` once listening (port 0: any). OSError: cannot listen."""
+        signalled: list[int] = []
+        previous = {}
         if stop is None:
-            stop = asyncio.Event()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):  # only a flag: no lock in a handler
+                previous[sig] = signal.signal(sig, lambda signum, _: signalled.append(signum))
         try:
-            async with serve(self._handler, self.cfg.host, self.cfg.port, compression=None,
-                             max_size=self.cfg.max_frame_bytes,
-                             process_request=_health_check) as server:  # fmt: skip
-                ready(server.sockets[0].getsockname()[1])
-                await stop.wait()
-                self._log("stopping: closing connections")
+            with serve(self._handler, self.cfg.host, self.cfg.port, compression=None,
+                       max_size=self.cfg.max_frame_bytes,
+                       process_request=_health_check) as server:  # fmt: skip
+                accept = threading.Thread(target=server.serve_forever, name="accept")
+                accept.start()
+                try:
+                    ready(server.socket.getsockname()[1])
+                    while not signalled and not stop.wait(POLL_S):
+                        pass
+                    self._log("stopping: closing connections")
+                finally:
+                    server.shutdown()  # 1001 to each; waits for every connection's thread
+                    accept.join()
         finally:
-            self._engine_thread.shutdown(wait=True, cancel_futures=True)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
-    async def _handler(self, ws: ServerConnection) -> None:
-        loop = asyncio.get_running_loop()
+    def _handler(self, ws: ServerConnection) -> None:
+        """One connection, on its own thread: frame in -> reply out, until it closes."""
         session = Session()
-        self.connections += 1
+        with self._count:
+            self.connections += 1
         self._log(f"session {session.id}: {ws.remote_address} connected")
         prev_total_ms = None
         try:
-            await ws.send(self._metadata)
-            async for frame in ws:
+            ws.send(self._metadata)
+            for frame in ws:
                 t0 = time.perf_counter()
                 try:
-                    msg = wire.unpack(frame)
-                    response, timing = await self._on_engine(loop, session, msg)
+                    response, timing = self._answer(session, frame)
                 except ValueError as e:
-                    await ws.send(f"{ERROR_PREFIX}bad request: {e}")
+                    ws.send(f"{ERROR_PREFIX}bad request: {e}")
                     continue
                 except Exception as e:  # the engine failed this frame; the others go on
-                    await ws.send(f"{ERROR_PREFIX}{type(e).__name__}: {e}")
+                    ws.send(f"{ERROR_PREFIX}{type(e).__name__}: {e}")
                     continue
                 if prev_total_ms is not None:  # openpi: the previous one, its send included
                     timing["prev_total_ms"] = prev_total_ms
                 response["server_timing"] = timing
-                await ws.send(wire.pack(response))
+                ws.send(wire.pack(response))
                 prev_total_ms = (time.perf_counter() - t0) * 1e3
         except websockets.ConnectionClosed:
             pass
         finally:
-            self.connections -= 1
+            with self._count:
+                self.connections -= 1
             self._log(f"session {session.id}: closed ({ws.close_code}: {ws.close_reason})")
-            try:
-                await loop.run_in_executor(self._engine_thread, self.policy.forget, session)
-            except RuntimeError:  # shutting down: the engine thread is gone, so is the store
-                pass
+            self.policy.forget(session)
 
-    def _on_engine(self, loop: asyncio.AbstractEventLoop, session: Session, msg: dict):
-        """The frame's job on the engine thread -> a loop future, resolved by one
-        call_soon_threadsafe (run_in_executor chains a concurrent future to it instead)."""
-        fut = loop.create_future()
-
-        def job(submitted: float) -> None:
-            try:
-                result = self._job(session, msg, submitted)
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-                loop.call_soon_threadsafe(_settle, fut, None, e)
-            else:
-                loop.call_soon_threadsafe(_settle, fut, result, None)
-
-        queued = self._engine_thread.submit(job, time.perf_counter())
-        queued.add_done_callback(  # cancelled unrun (shutdown): the awaiting handler ends
-            lambda q: q.cancelled() and loop.call_soon_threadsafe(fut.cancel)
-        )
-        return fut
-
-    def _job(self, session: Session, msg: dict, submitted: float) -> tuple[dict, dict]:
-        """On the engine thread: one frame -> (response, timing)."""
+    def _answer(self, session: Session, frame: bytes | str) -> tuple[dict, dict]:
+        """One frame -> (response, timing); ValueError: the caller's mistake."""
+        msg = wire.unpack(frame)
         t = time.perf_counter()
-        response = self.policy.handle(session, msg)
+        req = self.policy.prepare(msg)
+        prepared = time.perf_counter()
+        with self._turn:
+            turn = time.perf_counter()
+            response = self.policy.run(session, req)
         done = time.perf_counter()
-        return response, {"infer_ms": (done - t) * 1e3, "queue_ms": (t - submitted) * 1e3}
-
-
-def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
-    if fut.cancelled():  # the connection's handler was cancelled meanwhile
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+        infer_ms = (prepared - t + done - turn) * 1e3
+        return response, {"infer_ms": infer_ms, "queue_ms": (turn - prepared) * 1e3}
 
 
 def _health_check(connection: ServerConnection, request):
