@@ -54,5 +54,6 @@ class VisionEncoder(nn.Module):
         if reference:
             feats = t.post_layernorm(t.encoder(inputs_embeds=emb.to(dtype)).last_hidden_state)
         else:
-            feats = self.fast(emb.to(dtype))  # post_layernorm included
+            # [C, P, W] rows (the conv's layout is [C, W, P]): one cast-copy, not two
+            feats = self.fast(emb.to(dtype, memory_format=torch.contiguous_format))
         return self.projector(feats)  # [C, P, W_backbone]

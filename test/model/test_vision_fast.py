@@ -213,3 +213,19 @@ def test_fast_path_through_the_triton_kernel(monkeypatch, dtype):
         assert err <= TOL_FP32
     else:
         assert err <= BF16_FACTOR * eager_err
+
+
+def test_kernel_count_does_not_grow_with_cameras():
+    """Cameras are one batch: 3 cameras launch what 1 does (HF eager: 3 copies per layer
+    more, its attention reshapes non-contiguous rows)."""
+    cfg = config("tiny")
+    v = build_model(cfg, dtype=torch.bfloat16).vision
+    counts = {
+        (cams, reference): kernels(v, images(cfg, cams), reference, cuda=True)
+        .tallies["vision"]
+        .kernels
+        for cams in (1, 3)
+        for reference in (True, False)
+    }
+    assert counts[3, False] == counts[1, False]
+    assert counts[3, True] > counts[1, True]
