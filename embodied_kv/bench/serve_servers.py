@@ -1,8 +1,9 @@
 """The servers `bench serve` compares, each run by a thread of its own (ServerThread).
 
     ours        serve/server.py PolicyServer: websockets' synchronous server, a thread
-                per connection that unpacks, converts, takes the engine's turn, packs
-                and sends; other connections' threads do their I/O meanwhile
+                per connection that unpacks, takes the engine's turn (conversion and
+                engine work), packs and sends; other connections' threads do their I/O
+                meanwhile
     openpi      openpi's WebsocketPolicyServer design (src/openpi/serving/
                 websocket_policy_server.py) over the same ServePolicy: the handler calls
                 the policy on the event loop, so while one frame is computed no other

@@ -1,6 +1,5 @@
-"""The engine verbs one request frame asks for: `prepare` (checks and the image
-conversion, no engine state, any thread) then `run` (the engine work, one frame at a
-time: the server holds the engine's turn around it); `handle` is both.
+"""The engine verbs one request frame asks for, run on the thread of the frame's
+connection while it holds the engine's turn (server.py: one frame at a time).
 
 A frame is openpi's observation dict, optionally with fields an unmodified client
 never sends (docs/serve.md):
@@ -17,28 +16,15 @@ The response: "actions" [H, action_dim] in robot units (float64, the engine's ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from embodied_kv.engine.engine import Engine
 from embodied_kv.engine.events import TextEvent
 from embodied_kv.kv.manager import Status
-from embodied_kv.model.vla import Observation
 from embodied_kv.serve.config import ServeConfig
 from embodied_kv.serve.layouts import get_layout, has_observation, observation
 from embodied_kv.serve.session import Session
 
 COMMANDS = ("reset", "snapshot", "restore")
 NO_FINAL_EVENT = "not answered in this frame (no free slot); ask again"
-
-
-@dataclass(frozen=True)
-class Request:
-    """A frame after ServePolicy.prepare: checked, its observation in robot units."""
-
-    command: object  # None, or what the frame's "command" held (checked by run)
-    name: object  # the frame's "name" (snapshot, restore)
-    obs: Observation | None
-    question: str | None
 
 
 class ServePolicy:
@@ -71,11 +57,6 @@ class ServePolicy:
 
     def handle(self, session: Session, msg: dict) -> dict:
         """One frame -> the response map. ValueError: the caller's mistake, nothing changed."""
-        return self.run(session, self.prepare(msg))
-
-    def prepare(self, msg: dict) -> Request:
-        """A frame checked and its observation converted (layouts.py), touching no engine
-        or session state: any thread, concurrently. ValueError: the caller's mistake."""
         command = msg.get("command")
         infer = has_observation(self.layout, msg)
         if command is None and not infer:
@@ -92,14 +73,9 @@ class ServePolicy:
         if question is not None and (not isinstance(question, str) or not question
                                      or len(question) > self.cfg.max_prompt_chars):  # fmt: skip
             raise ValueError(f"question must be text of 1..{self.cfg.max_prompt_chars} characters")
-        return Request(command, msg.get("name"), obs, question)
-
-    def run(self, session: Session, req: Request) -> dict:
-        """A prepared frame's engine work: its command, then its chunk. One connection's
-        frames at a time (the engine is single-threaded: the server holds its turn)."""
-        out = {} if req.command is None else self._command(session, req.command, req.name)
-        if req.obs is not None:
-            out.update(self._infer(session, req.obs, req.question))
+        out = {} if command is None else self._command(session, command, msg.get("name"))
+        if obs is not None:
+            out.update(self._infer(session, obs, question))
         return out
 
     def _command(self, session: Session, command: object, name: object) -> dict:

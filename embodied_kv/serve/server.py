@@ -4,20 +4,23 @@ As openpi's WebsocketPolicyServer (src/openpi/serving/websocket_policy_server.py
 metadata map on connect, then one response per request frame, "server_timing" in it,
 compression off, GET /healthz answered. Unlike it, inference never blocks another
 connection's I/O (openpi #717): websockets' synchronous server gives every connection
-its own thread (and websockets its own reader thread), which receives a frame, unpacks
-it and converts its images (ServePolicy.prepare, concurrently with other connections),
-then takes the engine's turn (one lock: the engine is single-threaded) for the engine
-work (ServePolicy.run), packs and sends the reply itself. No event loop and no hop to
-an engine thread and back: torch releases the GIL while it computes, so the other
-connections' threads keep reading, answering errors and accepting meanwhile.
+its own thread (and websockets a reader thread per connection), which receives a frame
+and unpacks it, takes the engine's turn (one lock: the engine is single-threaded) for
+ServePolicy.handle (the layout's image conversion and the engine work), then packs and
+sends the reply itself. No event loop and no hop to an engine thread and back: torch
+releases the GIL while it computes, so the other connections' threads keep reading,
+unpacking, sending, answering errors and accepting meanwhile. The conversion runs under
+the turn too, as it ran on the former engine thread: beside the engine it contends with
+it for the GIL (every torch op hands it over), and on the 2-core CPU running it beside
+showed no throughput gain.
 
-server_timing: infer_ms (prepare + run, the lock wait excluded), queue_ms (the wait for
-the engine's turn), prev_total_ms (the previous request of this connection: frame in
-hand -> reply sent, openpi's). A bad frame gets an error text frame (openpi's client
-raises RuntimeError with it) and the connection stays open; a frame over
-max_frame_bytes closes that connection (1009); a closed connection's session leaves the
-engine's store. SIGINT or SIGTERM (or `stop`): stop accepting, close every connection
-(1001), wait for every connection's thread (the frame in flight finishes), return.
+server_timing: infer_ms (ServePolicy.handle), queue_ms (the wait for the engine's
+turn), prev_total_ms (the previous request of this connection: frame in hand -> reply
+sent, openpi's). A bad frame gets an error text frame (openpi's client raises
+RuntimeError with it) and the connection stays open; a frame over max_frame_bytes
+closes that connection (1009); a closed connection's session leaves the engine's store.
+SIGINT or SIGTERM (or `stop`): stop accepting, close every connection (1001), wait for
+every connection's thread (the frame in flight finishes), return.
 """
 
 from __future__ import annotations
@@ -113,14 +116,11 @@ class PolicyServer:
         """One frame -> (response, timing); ValueError: the caller's mistake."""
         msg = wire.unpack(frame)
         t = time.perf_counter()
-        req = self.policy.prepare(msg)
-        prepared = time.perf_counter()
-        with self._turn:
+        with self._turn:  # the conversion too (module docstring)
             turn = time.perf_counter()
-            response = self.policy.run(session, req)
+            response = self.policy.handle(session, msg)
         done = time.perf_counter()
-        infer_ms = (prepared - t + done - turn) * 1e3
-        return response, {"infer_ms": infer_ms, "queue_ms": (turn - prepared) * 1e3}
+        return response, {"infer_ms": (done - turn) * 1e3, "queue_ms": (turn - t) * 1e3}
 
 
 def _health_check(connection: ServerConnection, request):
