@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 
 import msgpack
 import numpy as np
@@ -168,3 +169,8 @@ def test_sigint_with_a_client_connected_exits_0(expected):
     client.infer(msg)
     assert proc.stop(signal.SIGINT) == 0, "\n".join(proc.lines[-20:])
     assert any("stopped" in line for line in proc.lines)
+
+
+def test_healthz_is_answered_over_http(server):
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=30) as r:
+        assert (r.status, r.read()) == (200, b"OK\n")
