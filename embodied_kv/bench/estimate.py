@@ -99,6 +99,12 @@ def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, f
     return [(flops, moved, steps)]
 
 
+def add_layer_norm_cost(x, y, weight, bias, eps) -> tuple[float, float]:
+    """The vision tower's residual add + LayerNorm (kernels/add_layer_norm.py): x and y
+    read once, the sum and the norm written once."""
+    return 8.0 * x.numel(), 4.0 * x.numel() * x.element_size() + 2 * weight.nbytes
+
+
 def gelu_gate_cost(gate, up) -> tuple[float, float]:
     """The GELU-gate kernel (kernels/gelu_gate.py): gate and up read once, the product written."""
     return 10.0 * gate.numel(), 3.0 * gate.numel() * gate.element_size()
@@ -149,8 +155,10 @@ def as_one_kernel(census: Census, module, name: str, cost):
 def cuda_kernels(census: Census):
     """What runs as one Triton kernel on CUDA but as its torch reference here: the
     backbone's packed attention, the expert's attention, every RMSNorm (plain and
-    adaptive), RoPE rotation and GELU-gate product, and the expert's fused layer-step
+    adaptive), RoPE rotation and GELU-gate product, the vision tower's add + LayerNorm
+    (model/vision_fast.py), and the expert's fused layer-step
     (model/expert_step.py), taken where the fusions are in use as CUDA takes it."""
+    import embodied_kv.kernels.add_layer_norm as residual_norm
     import embodied_kv.model.backbone as backbone
     import embodied_kv.model.expert as expert
     import embodied_kv.model.expert_step as step
@@ -168,6 +176,7 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, step, "norm_qkv_rope", norm_qkv_rope_cost),
         as_one_kernel(census, step, "norm_gate_up", norm_gate_up_cost),
         as_one_kernel(census, step, "linear_gated_residual", linear_gated_residual_cost),
+        as_one_kernel(census, residual_norm, "add_layer_norm", add_layer_norm_cost),
         fused_as_on_cuda(expert),
     ):
         yield

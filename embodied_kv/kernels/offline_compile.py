@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from embodied_kv.kernels import gemm_residual, norm_gemm
+from embodied_kv.kernels.add_layer_norm import plan_add_layer_norm
 from embodied_kv.kernels.attn_stats import BLOCK_M as STATS_BLOCK_M
 from embodied_kv.kernels.attn_stats import plan_attn_stats
 from embodied_kv.kernels.expert_attention import plan_expert_attention
@@ -213,6 +214,11 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
         x = torch.empty(n_tok, heads, d, dtype=torch.bfloat16, device="meta")
         rot = plan_rope(x, table, table, torch.empty_like(x))
         launches.setdefault(rot.name, rot)
+    # the vision tower's residual add + LayerNorm (SigLIP width 1152, 3 cameras of 256)
+    x = torch.empty(3 * 256, 1152, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(1152, dtype=torch.bfloat16, device="meta")
+    aln = plan_add_layer_norm(x, x, w, w, 1e-6, torch.empty_like(x), torch.empty_like(x))
+    launches.setdefault(aln.name, aln)
     # the expert's fused layer-step (model/expert_step.py): norm -> q/k/v + RoPE,
     # norm -> gate/up + GELU-gate, and the two GEMMs with the gated residual
     for launch in norm_gemm.pi05_launches() + gemm_residual.pi05_launches():

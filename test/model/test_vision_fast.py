@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import embodied_kv.kernels.add_layer_norm as residual_norm
-from embodied_kv.bench.estimate import H100, as_one_kernel
+from embodied_kv.bench.estimate import H100, add_layer_norm_cost, as_one_kernel
 from embodied_kv.bench.kernel_census import Census, Roofline
 from embodied_kv.kernels.triton_base import INTERPRETED, triton
 from embodied_kv.model.config import get_preset
@@ -124,11 +124,6 @@ def test_gradients_match_eager_and_a_step_reaches_the_fused_weights():
         assert fusion_in_use(v)
         fast, ref = v(imgs), v(imgs, reference=True)
     assert rel_err(fast, ref) <= TOL_FP32
-
-
-def add_layer_norm_cost(x, y, weight, bias, eps) -> tuple[float, float]:
-    """kernels/add_layer_norm.py: x and y read once, the sum and the norm written once."""
-    return 8.0 * x.numel(), 4.0 * x.numel() * x.element_size() + 2 * weight.nbytes
 
 
 def kernels(vision: VisionEncoder, imgs: torch.Tensor, reference: bool, cuda: bool) -> Census:
