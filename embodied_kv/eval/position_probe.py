@@ -61,11 +61,12 @@ def probe(model, samples: int) -> dict[str, list[float]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--weights", default=None, help="default: the shipped world weights")
+    p.add_argument("--tokenizer", default="", help="default: tokenizer.json beside the weights")
     p.add_argument("--samples", type=int, default=48)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     weights = a.weights or default_weights()
-    for name, (col, row) in probe(load_trained(weights), a.samples).items():
+    for name, (col, row) in probe(load_trained(weights, a.tokenizer or None), a.samples).items():
         print(f"{name:>13}: R² column {col:6.3f}  row {row:6.3f}")
     return 0
 
