@@ -60,6 +60,7 @@ def save_visited(states: list[VisitedState], path: str | Path) -> Path:
             json.dump(doc, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600: the file is data to share, as the weights
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
