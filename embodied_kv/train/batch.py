@@ -34,6 +34,7 @@ class Batch:
     kinds: list[str]
     ground: torch.Tensor | None = None  # [B, I] dataset.GROUND id of each image token's patch
     phases: list[str] | None = None  # the expert's phase at each sample's state
+    centres: torch.Tensor | None = None  # [B, I, 2] table (x, y) each patch shows, NaN: none
 
     @property
     def size(self) -> int:
@@ -84,6 +85,8 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         kinds=[s.kind for s in samples],
         ground=torch.from_numpy(np.stack([s.ground.reshape(-1) for s in samples])),
         phases=[s.phase for s in samples],
+        centres=None if any(s.centres is None for s in samples) else torch.from_numpy(
+            np.stack([s.centres.reshape(-1, 2) for s in samples])),
     )
 
 

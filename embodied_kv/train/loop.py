@@ -23,7 +23,7 @@ from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.grounding import GroundHead
-from embodied_kv.train.losses import add_counts, compute_losses, expert_losses
+from embodied_kv.train.losses import add_counts, compute_losses, expert_losses, head_outputs
 from embodied_kv.train.resume import (
     RunState,
     check_fresh,
@@ -33,7 +33,6 @@ from embodied_kv.train.resume import (
 )
 from embodied_kv.train.samples import StepSamples
 from embodied_kv.world.dataset import DataConfig, Sample
-from embodied_kv.world.render import LABELS
 
 FREEZABLE = ("vision", "backbone", "expert")  # the model's parts (VLA.vision, ...)
 TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
@@ -74,6 +73,10 @@ class TrainConfig:
     # the position a linear part of what the backbone (and the expert through its K/V)
     # reads; 0 = off (train/losses.py position_targets)
     position_weight: float = 0.0
+    # training-only regression of the table (x, y) of the thing each image token's patch
+    # shows (world/dataset.py object_centres), two more outputs of the patch head: where
+    # the named object is, finer than its patch, as a linear part of its tokens; 0 = off
+    object_weight: float = 0.0
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 200
@@ -132,9 +135,11 @@ class TrainConfig:
                              f"{self.ground_weight} >= 0, ground_layer={self.ground_layer} >= 1")
         if not set(self.freeze) <= set(FREEZABLE) or set(self.freeze) == set(FREEZABLE):
             raise ValueError(f"freeze={self.freeze}: some of {FREEZABLE}, not all")
-        if self.position_weight < 0 or (self.position_weight > 0 and self.patch_weight <= 0):
-            raise ValueError(f"position_weight={self.position_weight} must be >= 0 and needs "
-                             "the patch head (patch_weight > 0)")  # fmt: skip
+        for name in ("position_weight", "object_weight"):
+            w = getattr(self, name)
+            if w < 0 or (w > 0 and self.patch_weight <= 0):
+                raise ValueError(f"{name}={w} must be >= 0 and needs the patch head "
+                                 "(patch_weight > 0)")  # fmt: skip
         if not 0 <= self.seed < 2**15:
             raise ValueError(f"seed {self.seed} must be in [0, 32768)")
 
@@ -196,8 +201,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     head = None
     if cfg.patch_weight > 0 and not expert_only(cfg):
-        torch.manual_seed(cfg.seed)  # the patch head's init (+2 outputs: the position)
-        outputs = len(LABELS) + (2 if cfg.position_weight > 0 else 0)
+        torch.manual_seed(cfg.seed)  # the patch head's init (+ position, object outputs)
+        outputs = head_outputs(cfg.position_weight > 0, cfg.object_weight > 0)
         head = torch.nn.Linear(mcfg.backbone.width, outputs).to(cfg.device)
         params += list(head.parameters())
     ground = None
@@ -284,7 +289,7 @@ def step_losses(cfg: TrainConfig, model, b, gen, head, ground):
         return expert_losses(model, b, gen, b.size / cfg.batch, cfg.flow_dims)
     return compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch, head,
                           cfg.patch_weight, cfg.flow_dims, ground, cfg.ground_weight,
-                          cfg.position_weight)  # fmt: skip
+                          cfg.position_weight, cfg.object_weight)  # fmt: skip
 
 
 def call_over(cfg: TrainConfig, step: int, call_seconds: float) -> bool:
@@ -372,6 +377,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "ground": sum(p.ground * p.n_samples for p in parts) / n,
         "ground_recall": sum(p.ground_recall * p.n_samples for p in parts) / n,
         "position": sum(p.position * p.n_samples for p in parts) / n,
+        "object": sum(p.object * p.n_samples for p in parts) / n,
         "first": first,
         "whole": whole,
         "stage": stage,

@@ -48,6 +48,7 @@ class Losses:
     ground: float = 0.0  # grounding head's weighted cross-entropy (0 without the head)
     ground_recall: float = 0.0  # share of the named movable's patches the head finds
     position: float = 0.0  # the patch head's position regression (MSE; 0 when off)
+    object: float = 0.0  # the patch head's object-centre regression (MSE; 0 when off)
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -61,7 +62,7 @@ def compute_losses(
     model, batch: Batch, generator: torch.Generator, flow_weight: float = 1.0,
     sample_share: float = 1.0, patch_head: torch.nn.Module | None = None,
     patch_weight: float = 1.0, flow_dims: int = 0, ground_head: GroundHead | None = None,
-    ground_weight: float = 0.0, position_weight: float = 0.0,
+    ground_weight: float = 0.0, position_weight: float = 0.0, object_weight: float = 0.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
@@ -83,23 +84,45 @@ def compute_losses(
     if ground_head is not None and batch.ground is not None:
         ground, recall = ground_head.loss(out.tapped, batch.ground)
         total = total + ground_weight * ground
-    patch = patch_acc = position = torch.zeros(())
-    if patch_head is not None:  # [B, I, K] vs [B, I] (and [B, I, 2] positions)
+    patch = patch_acc = position = obj = torch.zeros(())
+    if patch_head is not None:  # [B, I, K] vs [B, I] (then [B, I, 2] position, object)
         outputs = patch_head(out.images.float())
         patch_logits = outputs[..., : len(LABELS)]
         patch = F.cross_entropy(patch_logits.flatten(0, 1), batch.patches.flatten())
         patch_acc = (patch_logits.argmax(-1) == batch.patches).float().mean()
         total = total + patch_weight * patch
+        extra = outputs[..., len(LABELS) :].split(2, dim=-1)  # head_outputs' order
         if position_weight > 0:
             target = position_targets(batch.images.shape[1], out.image_tokens, outputs.device)
-            position = F.mse_loss(outputs[..., len(LABELS) :], target.expand_as(outputs[..., -2:]))
+            position = F.mse_loss(extra[0], target.expand_as(extra[0]))
             total = total + position_weight * position
+        if object_weight > 0:
+            obj = object_loss(extra[-1], batch.centres)
+            total = total + object_weight * obj
     first, whole = turn_counts(batch, rows, cols, right)
     return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
                   float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
                   float(patch_acc), whole, stage_errors(estimate, batch.actions, batch.phases),
                   float(real), float(ground.detach()), recall,
-                  float(position.detach()))  # fmt: skip
+                  float(position.detach()), float(obj.detach()))  # fmt: skip
+
+
+def head_outputs(position: bool, centres: bool) -> int:
+    """The patch head's outputs: a logit per render.LABELS class, then a (column, row)
+    pair with the position regression, then a table (x, y) pair with the object one."""
+    return len(LABELS) + 2 * int(position) + 2 * int(centres)
+
+
+def object_loss(pred: torch.Tensor, centres: torch.Tensor | None) -> torch.Tensor:
+    """MSE of [B, I, 2] predictions against each patch's object centre (world/dataset.py
+    object_centres) over the patches that show a thing (the rest are NaN)."""
+    if centres is None:
+        raise ValueError("the object regression needs the batch's centres (train/batch.py)")
+    centres = centres.to(pred.device)
+    shown = torch.isfinite(centres[..., 0])
+    if not bool(shown.any()):
+        return pred.sum() * 0.0
+    return F.mse_loss(pred[shown], centres[shown])
 
 
 def position_targets(cameras: int, image_tokens: int, device=None) -> torch.Tensor:

@@ -18,7 +18,9 @@ on object detection — one label per patch instead of one answer word per quest
 arm is": only states before the expert's success, `first_share` of them the episode's first
 (the pose eval starts from), `arm_start_share` of the episodes from a random high arm pose;
 each sample also labels its patches as the named movable / named container / other
-(`ground`: the training-only grounding head's target, train/losses.py). `visited_share`
+(`ground`: the training-only grounding head's target, train/losses.py) and gives each
+patch the table (x, y) of the thing it shows (`centres`: the object-centric regression's
+target). `visited_share`
 (DAgger) draws that share of the samples at states a trained policy visited in closed loop
 (world/visited.py), labelled by the expert the same way.
 
@@ -108,6 +110,8 @@ class Sample:
     patches: np.ndarray  # [cameras, patches] class ids (render.LABELS): the auxiliary target
     ground: np.ndarray  # [cameras, patches] GROUND ids: the instruction's objects per patch
     phase: str  # the expert's phase at this state (expert.STAGES groups them)
+    # [cameras, patches, 2] table (x, y) of the thing each patch shows, NaN on background
+    centres: np.ndarray | None = None
 
     @property
     def suffix(self) -> str:
@@ -155,6 +159,7 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         patches=(patches := patch_labels(scene, cfg.image_size, cfg.patch)),
         ground=ground_labels(patches, task),
         phase=phase,
+        centres=object_centres(scene, patches),
     )
 
 
@@ -195,6 +200,19 @@ def task_state(cfg: DataConfig, scene: Scene, task: PutTask, rng: np.random.Gene
     n = steps_to_success(scene, task)
     for _ in range(int(rng.integers(0, max(n, 1)))):
         scene.step(expert_action(scene, task)[0])
+
+
+def object_centres(scene: Scene, patches: np.ndarray) -> np.ndarray:
+    """Patch class ids (render.LABELS) -> [cameras, patches, 2] float32: the table (x, y)
+    of the thing each patch shows (the arm's under the gripper's classes; a held movable is
+    at the arm), NaN on the background. The target of the object-centric regression
+    (train/losses.py object_loss): where the named object is, finer than its patch."""
+    where = {label_of(t.colour, t.shape): (t.x, t.y) for t in scene.things}
+    where[1] = where[2] = (scene.arm.x, scene.arm.y)  # render.LABELS: arm open / closed
+    out = np.full((*patches.shape, 2), np.nan, np.float32)
+    for label, xy in where.items():
+        out[patches == label] = xy
+    return out
 
 
 def ground_labels(patches: np.ndarray, task: PutTask) -> np.ndarray:
