@@ -22,4 +22,4 @@ def test_the_probe_reads_every_layer_of_a_world_model():
     layers = model.cfg.backbone.layers
     assert set(out) == {f"{kind} {i}" for kind in ("values", "keys") for i in range(layers)} | {
         "image tokens"}
-    assert all(len(v) == 2 and np.isfinite(v).all() for v in out.values())
+    assert all(len(v) == 4 and np.isfinite(v).all() for v in out.values())
