@@ -75,7 +75,9 @@ class TrainConfig:
     position_weight: float = 0.0
     # training-only regression of the table (x, y) of the thing each image token's patch
     # shows (world/dataset.py object_centres), two more outputs of the patch head: where
-    # the named object is, finer than its patch, as a linear part of its tokens; 0 = off
+    # the named object is, finer than its patch, as a linear part of its tokens; with the
+    # grounding head also from its rows (train/grounding.py), what the deeper layers read;
+    # 0 = off
     object_weight: float = 0.0
     seed: int = 0
     log_every: int = 10
@@ -208,7 +210,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     ground = None
     if cfg.ground_weight > 0 and not expert_only(cfg):
         torch.manual_seed(cfg.seed + 1)  # the grounding head's init
-        ground = GroundHead(mcfg.backbone.width, cfg.ground_layer).to(cfg.device)
+        ground = GroundHead(mcfg.backbone.width, cfg.ground_layer,
+                            centres=cfg.object_weight > 0).to(cfg.device)  # fmt: skip
         params += list(ground.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -378,6 +381,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "ground_recall": sum(p.ground_recall * p.n_samples for p in parts) / n,
         "position": sum(p.position * p.n_samples for p in parts) / n,
         "object": sum(p.object * p.n_samples for p in parts) / n,
+        "object_rows": sum(p.object_rows * p.n_samples for p in parts) / n,
         "first": first,
         "whole": whole,
         "stage": stage,

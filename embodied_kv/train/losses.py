@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from embodied_kv.train.batch import IGNORE, Batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
-from embodied_kv.train.grounding import GroundHead
+from embodied_kv.train.grounding import GroundHead, object_loss
 from embodied_kv.world.expert import STAGES
 from embodied_kv.world.render import LABELS
 from embodied_kv.world.scene import REAL_ACTION_DIMS
@@ -49,6 +49,7 @@ class Losses:
     ground_recall: float = 0.0  # share of the named movable's patches the head finds
     position: float = 0.0  # the patch head's position regression (MSE; 0 when off)
     object: float = 0.0  # the patch head's object-centre regression (MSE; 0 when off)
+    object_rows: float = 0.0  # the same from the grounding head's rows (0 without the head)
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -79,11 +80,11 @@ def compute_losses(
     acc = right.float().mean()
     flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims)
     total = text + flow_weight * flow
-    ground = torch.zeros(())
+    ground = obj_rows = torch.zeros(())
     recall = 0.0
     if ground_head is not None and batch.ground is not None:
-        ground, recall = ground_head.loss(out.tapped, batch.ground)
-        total = total + ground_weight * ground
+        ground, recall, obj_rows = ground_head.loss(out.tapped, batch.ground, batch.centres)
+        total = total + ground_weight * ground + object_weight * obj_rows
     patch = patch_acc = position = obj = torch.zeros(())
     if patch_head is not None:  # [B, I, K] vs [B, I] (then [B, I, 2] position, object)
         outputs = patch_head(out.images.float())
@@ -104,25 +105,14 @@ def compute_losses(
                   float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
                   float(patch_acc), whole, stage_errors(estimate, batch.actions, batch.phases),
                   float(real), float(ground.detach()), recall,
-                  float(position.detach()), float(obj.detach()))  # fmt: skip
+                  float(position.detach()), float(obj.detach()),
+                  float(obj_rows.detach()))  # fmt: skip
 
 
 def head_outputs(position: bool, centres: bool) -> int:
     """The patch head's outputs: a logit per render.LABELS class, then a (column, row)
     pair with the position regression, then a table (x, y) pair with the object one."""
     return len(LABELS) + 2 * int(position) + 2 * int(centres)
-
-
-def object_loss(pred: torch.Tensor, centres: torch.Tensor | None) -> torch.Tensor:
-    """MSE of [B, I, 2] predictions against each patch's object centre (world/dataset.py
-    object_centres) over the patches that show a thing (the rest are NaN)."""
-    if centres is None:
-        raise ValueError("the object regression needs the batch's centres (train/batch.py)")
-    centres = centres.to(pred.device)
-    shown = torch.isfinite(centres[..., 0])
-    if not bool(shown.any()):
-        return pred.sum() * 0.0
-    return F.mse_loss(pred[shown], centres[shown])
 
 
 def position_targets(cameras: int, image_tokens: int, device=None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The object-centric regression (`embodied-kv train --object-weight`, issue 34): every
 patch that shows a thing is labelled with that thing's table (x, y) — the arm's under the
 gripper, a held movable at the arm — the background with NaN; the loss is the MSE over
-the labelled patches only; the patch head grows two outputs after the position pair."""
+the labelled patches only; the patch head grows two outputs after the position pair, the
+grounding head two after its classes (the same target from deeper rows)."""
 
 import json
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from embodied_kv.train.batch import make_batch
+from embodied_kv.train.grounding import GroundHead, object_loss
 from embodied_kv.train.loop import TrainConfig, train
-from embodied_kv.train.losses import head_outputs, object_loss
+from embodied_kv.train.losses import head_outputs
 from embodied_kv.world.dataset import DataConfig, make_sample, object_centres
 from embodied_kv.world.render import LABELS, label_of, patch_labels
 from embodied_kv.world.tasks import episode
@@ -61,6 +63,20 @@ def test_the_loss_counts_only_the_patches_that_show_a_thing():
         object_loss(pred, None)
 
 
+def test_the_grounding_head_regresses_the_centres_from_its_rows():
+    head = GroundHead(width=8, layer=2, centres=True)
+    rows = torch.randn(1, 3, 8)
+    labels = torch.tensor([[0, 1, 2]])
+    centres = torch.tensor([[[float("nan")] * 2, [0.5, -0.25], [-0.5, 0.75]]])
+    with torch.no_grad():
+        head.proj.weight.zero_()
+        head.proj.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.5, 0.75]))  # (0.5, 0.75) everywhere
+    _, _, obj = head.loss(rows, labels, centres)
+    assert float(obj) == pytest.approx((0 + 1 + 1 + 0) / 4)
+    with pytest.raises(ValueError, match="centres"):
+        head.loss(rows, labels)
+
+
 def test_the_batch_carries_the_centres_in_token_order(tmp_path):
     from embodied_kv.model.trained import world_config
     from embodied_kv.model.vla import build_model
@@ -79,12 +95,13 @@ def test_a_run_learns_the_centres_beside_the_position(tmp_path):
     assert head_outputs(False, False) == len(LABELS)
     assert head_outputs(True, True) == len(LABELS) + 4
     recipe = dict(batch=3, curriculum=0, warmup=1, log_every=1, ckpt_every=100, flow_dims=4,
-                  data=DATA, position_weight=1.0, object_weight=1.0)  # fmt: skip
+                  data=DATA, position_weight=1.0, object_weight=1.0,
+                  ground_weight=1.0)  # fmt: skip
     out = tmp_path / "run"
     log = train(TrainConfig(out=str(out), steps=2, until=1, **recipe), progress=False)
     log += train(TrainConfig(out=str(out), steps=2, resume=True, **recipe), progress=False)
     assert [r["step"] for r in log] == [0, 1]
-    assert all(r["object"] > 0 and r["position"] > 0 for r in log)
+    assert all(r["object"] > 0 and r["object_rows"] > 0 and r["position"] > 0 for r in log)
     saved = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     assert [r["object"] for r in saved] == [r["object"] for r in log]
     with pytest.raises(ValueError, match="object_weight"):
