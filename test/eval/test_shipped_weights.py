@@ -7,7 +7,8 @@ docs/world_training.md "Object centres"), from session #5's weights. The thresho
 the level they reach, one item under it on this set (shipped now: QA 0.875 = 21 of 24,
 one-hop 1.0, two-hop 1.0, success 0.75 = 9 of 12; session #5's: QA 0.75, one-hop 0.917,
 two-hop 0.917, success 3 of 12; random weights 0 everywhere), and are to be raised to the
-targets' margins when better weights ship. The file must be there: a checkout without it fails here (it is not skipped)."""
+targets' margins when better weights ship. The file must be there: a checkout without it
+fails here (it is not skipped)."""
 
 from __future__ import annotations
 
