@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from embodied_kv.msg import TextChunk
 from embodied_kv.ros.rate_probe import RateSummary
+from embodied_kv.world.memory import names_place
 from embodied_kv.world.sim import EpisodeResult
 
 TEXT_WIDTH = 72
@@ -118,7 +119,7 @@ class Report:
                     state += f", {why}"
                 truth = ""
                 if i < len(asked):
-                    ok = c.done and c.text_so_far.strip() == asked[i].truth
+                    ok = c.done and _right(task, c.text_so_far.strip(), asked[i].truth)
                     right += ok
                     verdict = ("right" if ok else "wrong") if c.done else "not finished"
                     truth = f" [true: {asked[i].truth!r}, {verdict}]"
@@ -153,6 +154,13 @@ class Report:
             lines.append(f"  episode {e.index + 1} {e.instruction!r}: {verdict} "
                          f"after {e.steps} actions")  # fmt: skip
         return lines
+
+
+def _right(task: int, got: str, truth: str) -> bool:
+    """A plan names the place alone or as a path ending there ('in the red box on the
+    shelf', how `--two-hop-answer path` trains two-hop answers; eval world counts it the
+    same way); a scene answer must be the word itself."""
+    return names_place(got, truth) if task == TextChunk.TASK_PLAN else got == truth
 
 
 def _order(request_id: str) -> tuple[str, int]:

@@ -9,7 +9,8 @@ import pytest
 # the report reads TextChunk (embodied_kv.msg), which the ROS build generates
 pytest.importorskip("rclpy", reason="rclpy is not importable (`make test` installs it)")
 
-from embodied_kv.ros.demo_report import Report  # noqa: E402
+from embodied_kv.msg import TextChunk  # noqa: E402
+from embodied_kv.ros.demo_report import Asked, Report  # noqa: E402
 from embodied_kv.world.expert import expert_action  # noqa: E402
 from embodied_kv.world.sim import WorldSim  # noqa: E402
 
@@ -27,3 +28,24 @@ def test_report_lists_each_episode_done_or_where_it_was_stuck():
     assert lines[1].startswith("  episode 1 ") and ": done after" in lines[1]
     assert lines[2] == f"  episode 2 {sim.results[1].instruction!r}: step limit, stuck at " \
                        "approach after 30 actions"
+
+
+def test_a_plan_that_names_the_place_as_a_path_counts_as_right():
+    def chunk(rid: str, task: int, text: str) -> TextChunk:
+        return TextChunk(request_id=rid, task=task, text_so_far=text, done=True,
+                         status=TextChunk.STATUS_OK)  # fmt: skip
+
+    report = Report(target_hz=50.0, seconds=10.0)
+    report.goals = [Asked("where is the green ball ?", "sink"),
+                    Asked("where is the green box ?", "floor")]  # fmt: skip
+    report.questions = [Asked("how many blue objects are there ?", "one")]
+    report.text = {
+        "plan-1@0": chunk("plan-1@0", TextChunk.TASK_PLAN, "in the green box on the sink"),
+        "plan-2@0": chunk("plan-2@0", TextChunk.TASK_PLAN, "shelf"),
+        "answer-1@0": chunk("answer-1@0", TextChunk.TASK_ANSWER, "in the one"),
+    }
+    lines = report._texts()
+    assert any("'sink', right]" in x for x in lines)
+    assert any("'floor', wrong]" in x for x in lines)
+    assert any("'one', wrong]" in x for x in lines)  # answers: the word itself
+    assert "  plans right: 1 of 2 asked" in lines
