@@ -85,8 +85,7 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         kinds=[s.kind for s in samples],
         ground=torch.from_numpy(np.stack([s.ground.reshape(-1) for s in samples])),
         phases=[s.phase for s in samples],
-        centres=None if any(s.centres is None for s in samples) else torch.from_numpy(
-            np.stack([s.centres.reshape(-1, 2) for s in samples])),
+        centres=torch.from_numpy(np.stack([s.centres.reshape(-1, 2) for s in samples])),
     )
 
 

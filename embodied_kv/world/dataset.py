@@ -39,7 +39,7 @@ from embodied_kv.world.expert import expert_action, expert_chunk, steps_to_succe
 from embodied_kv.world.memory import ANSWER_FORMS, sample_queries
 from embodied_kv.world.narration import narrate
 from embodied_kv.world.questions import sample_question
-from embodied_kv.world.render import label_of, observation_images, patch_labels
+from embodied_kv.world.render import LABELS, label_of, observation_images, patch_labels
 from embodied_kv.world.scene import ACTION_DIM, Scene, make_scene
 from embodied_kv.world.tasks import PutTask, sample_task
 from embodied_kv.world.visited import load_visited
@@ -110,8 +110,7 @@ class Sample:
     patches: np.ndarray  # [cameras, patches] class ids (render.LABELS): the auxiliary target
     ground: np.ndarray  # [cameras, patches] GROUND ids: the instruction's objects per patch
     phase: str  # the expert's phase at this state (expert.STAGES groups them)
-    # [cameras, patches, 2] table (x, y) of the thing each patch shows, NaN on background
-    centres: np.ndarray | None = None
+    centres: np.ndarray  # [cameras, patches, 2] table (x, y) each patch shows, NaN: none
 
     @property
     def suffix(self) -> str:
@@ -208,7 +207,8 @@ def object_centres(scene: Scene, patches: np.ndarray) -> np.ndarray:
     at the arm), NaN on the background. The target of the object-centric regression
     (train/losses.py object_loss): where the named object is, finer than its patch."""
     where = {label_of(t.colour, t.shape): (t.x, t.y) for t in scene.things}
-    where[1] = where[2] = (scene.arm.x, scene.arm.y)  # render.LABELS: arm open / closed
+    for arm in ("arm open", "arm closed"):
+        where[LABELS.index(arm)] = (scene.arm.x, scene.arm.y)
     out = np.full((*patches.shape, 2), np.nan, np.float32)
     for label, xy in where.items():
         out[patches == label] = xy
