@@ -131,7 +131,7 @@ def train_config(args: argparse.Namespace):
              for k in ("batch", "buckets", "lr", "threads", "curriculum", "ramp", "warmup",
                        "data_workers", "embed_std", "until", "stop_after", "flow_dims",
                        "ground_weight", "ground_layer", "freeze", "position_weight",
-                       "object_weight")}  # fmt: skip
+                       "object_weight", "bin_sigma", "bin_weight")}  # fmt: skip
     data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
     return TrainConfig(
         out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -256,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--object-weight", type=float,
                     help="weight of the training-only regression of the table (x, y) of the "
                          "thing each image token's patch shows (default 0: off)")  # fmt: skip
+    tr.add_argument("--bin-sigma", type=float,
+                    help="soft targets for the `bins` action ids: a normal this many bins "
+                         "wide (HL-Gauss; default 0: one-hot)")  # fmt: skip
+    tr.add_argument("--bin-weight", type=float,
+                    help="the `bins` action ids' loss weight against other text tokens "
+                         "(default 1)")  # fmt: skip
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)

@@ -79,6 +79,12 @@ class TrainConfig:
     # grounding head also from its rows (train/grounding.py), what the deeper layers read;
     # 0 = off
     object_weight: float = 0.0
+    # the `bins` action ids' targets: a normal this many bins wide integrated over each
+    # bin (HL-Gauss, train/action_bins.py) instead of one-hot; 0 = one-hot
+    bin_sigma: float = 0.0
+    # the `bins` action ids' losses times this against the other text tokens' (an
+    # `actions` sample's two informative ids are 1/40 of its mean: train/action_bins.py)
+    bin_weight: float = 1.0
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 200
@@ -132,6 +138,9 @@ class TrainConfig:
             raise ValueError(f"embed_std={self.embed_std} must be in [0, 1)")
         if self.until < 0 or self.stop_after < 0:
             raise ValueError(f"until={self.until} and stop_after={self.stop_after} must be >= 0")
+        if self.bin_sigma < 0 or self.bin_weight <= 0:
+            raise ValueError(f"bin_sigma={self.bin_sigma} must be >= 0 and bin_weight="
+                             f"{self.bin_weight} > 0")  # fmt: skip
         if self.flow_dims < 0 or self.ground_weight < 0 or self.ground_layer < 1:
             raise ValueError(f"flow_dims={self.flow_dims} >= 0, ground_weight="
                              f"{self.ground_weight} >= 0, ground_layer={self.ground_layer} >= 1")
@@ -292,7 +301,8 @@ def step_losses(cfg: TrainConfig, model, b, gen, head, ground):
         return expert_losses(model, b, gen, b.size / cfg.batch, cfg.flow_dims)
     return compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch, head,
                           cfg.patch_weight, cfg.flow_dims, ground, cfg.ground_weight,
-                          cfg.position_weight, cfg.object_weight)  # fmt: skip
+                          cfg.position_weight, cfg.object_weight, cfg.bin_sigma,
+                          cfg.bin_weight)  # fmt: skip
 
 
 def call_over(cfg: TrainConfig, step: int, call_seconds: float) -> bool:
@@ -364,6 +374,8 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
     first: dict[str, list[int]] = {}
     whole: dict[str, list[int]] = {}
     stage: dict[str, list[float]] = {}
+    bins_sum = sum(p.bins_err[0] for p in parts)
+    bins_n = sum(p.bins_err[1] for p in parts)
     for p in parts:
         add_counts(first, p.first_right)
         add_counts(whole, p.whole_right)
@@ -382,6 +394,8 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "position": sum(p.position * p.n_samples for p in parts) / n,
         "object": sum(p.object * p.n_samples for p in parts) / n,
         "object_rows": sum(p.object_rows * p.n_samples for p in parts) / n,
+        # |greedy bin - target| in action units over the step's `bins` ids (None: none)
+        "bins_err": round(bins_sum / bins_n, 4) if bins_n else None,
         "first": first,
         "whole": whole,
         "stage": stage,

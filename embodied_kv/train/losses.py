@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from embodied_kv.train.action_bins import action_id_range, bin_error, token_losses
 from embodied_kv.train.batch import IGNORE, Batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
 from embodied_kv.train.grounding import GroundHead, object_loss
@@ -50,6 +51,8 @@ class Losses:
     position: float = 0.0  # the patch head's position regression (MSE; 0 when off)
     object: float = 0.0  # the patch head's object-centre regression (MSE; 0 when off)
     object_rows: float = 0.0  # the same from the grounding head's rows (0 without the head)
+    # [sum, count] of |greedy bin - target bin| in action units over the `bins` action ids
+    bins_err: tuple[float, int] = (0.0, 0)
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -64,18 +67,24 @@ def compute_losses(
     sample_share: float = 1.0, patch_head: torch.nn.Module | None = None,
     patch_weight: float = 1.0, flow_dims: int = 0, ground_head: GroundHead | None = None,
     ground_weight: float = 0.0, position_weight: float = 0.0, object_weight: float = 0.0,
+    bin_sigma: float = 0.0, bin_weight: float = 1.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
     the mean over samples of each sample's mean token loss: an `actions` sample's 80 ids
     weigh as much as a plan's few answer words (per token, the action ids would be three
     quarters of the text loss and the answers a few percent). `flow_dims` > 0: the flow
-    loss over the first flow_dims action dims only (the world's real ones; 0 = all)."""
+    loss over the first flow_dims action dims only (the world's real ones; 0 = all).
+    `bin_sigma` > 0: the `bins` action ids against soft targets that many bins wide
+    (train/action_bins.py; 0 = one-hot, as every other token), their losses times
+    `bin_weight`."""
     out = backbone_forward(model, batch, ground_head.layer if ground_head is not None else 0)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
     logits = text_logits(model, out, rows, cols)  # [N, V]
     targets = batch.labels[rows, cols]
-    text = per_sample_mean(F.cross_entropy(logits, targets, reduction="none"), rows, batch.size)
+    lo, n = action_id_range(model.cfg)
+    tokens = token_losses(logits, targets, lo, n, bin_sigma, bin_weight)
+    text = per_sample_mean(tokens, rows, batch.size)
     right = logits.argmax(-1) == targets
     acc = right.float().mean()
     flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims)
@@ -106,7 +115,7 @@ def compute_losses(
                   float(patch_acc), whole, stage_errors(estimate, batch.actions, batch.phases),
                   float(real), float(ground.detach()), recall,
                   float(position.detach()), float(obj.detach()),
-                  float(obj_rows.detach()))  # fmt: skip
+                  float(obj_rows.detach()), bin_error(logits.detach(), targets, lo, n))  # fmt: skip
 
 
 def head_outputs(position: bool, centres: bool) -> int:
