@@ -111,7 +111,7 @@ def gelu_gate_cost(gate, up) -> tuple[float, float]:
 
 
 def norm_qkv_rope_cost(h, scale1, shift, eps, w_qkv, sizes, cos, sin) -> tuple[float, float]:
-    """The fused norm -> q/k/v -> RoPE kernel (kernels/norm_gemm.py): the weights once, h
+    """The fused norm -> q/k/v -> RoPE kernel (kernels/norm_qkv_rope.py): the weights once, h
     read by every column block (L2-resident, counted once), q/k/v written once."""
     n, w = h.shape
     out = sum(sizes)

@@ -1,11 +1,11 @@
 """One layer of one Euler step of the action expert, as the GPU runs it and as the CPU does.
 
     reference (CPU, training, unfused weights)   fused (CUDA at inference, model/fused.py)
-    adaRMS norm                                   norm_qkv_rope     kernels/norm_gemm.py
+    adaRMS norm                                   norm_qkv_rope     kernels/norm_qkv_rope.py
     q/k/v GEMM, RoPE on q and k                   |
     attention over prefix + suffix                expert_attention  kernels/expert_attention.py
     o_proj GEMM, gated residual (addcmul)         linear_gated_residual  kernels/gemm_residual.py
-    adaRMS norm, gate/up GEMM, GELU-gate          norm_gate_up      kernels/norm_gemm.py
+    adaRMS norm, gate/up GEMM, GELU-gate          norm_gate_up      kernels/norm_gate_up.py
     down GEMM, gated residual                     linear_gated_residual
 
 The reference is the chain the CPU's bytes are pinned to (the parity with LeRobot's PI05
@@ -22,10 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from embodied_kv.kernels import expert_attention as attention_kernels
-from embodied_kv.kernels import gemm_residual, norm_gemm
+from embodied_kv.kernels import gemm_residual
+from embodied_kv.kernels import norm_gate_up as gate_up_kernels
+from embodied_kv.kernels import norm_qkv_rope as qkv_kernels
 from embodied_kv.kernels.expert_attention import expert_attention
 from embodied_kv.kernels.gemm_residual import linear_gated_residual
-from embodied_kv.kernels.norm_gemm import norm_gate_up, norm_qkv_rope
+from embodied_kv.kernels.norm_gate_up import norm_gate_up
+from embodied_kv.kernels.norm_qkv_rope import norm_qkv_rope
 from embodied_kv.model.layers import GemmaLayer, Rope
 
 
@@ -74,8 +77,8 @@ def layer_step_fused(
     whatever the device (CPU tensors under TRITON_INTERPRET=1: how the tests run this path);
     else each call dispatches (kernel on CUDA, reference elsewhere)."""
     attn, mlp, h_len = layer.self_attn, layer.mlp, h.shape[0]
-    qkv_op = norm_gemm.norm_qkv_rope_kernel if kernels else norm_qkv_rope
-    gate_up_op = norm_gemm.norm_gate_up_kernel if kernels else norm_gate_up
+    qkv_op = qkv_kernels.norm_qkv_rope_kernel if kernels else norm_qkv_rope
+    gate_up_op = gate_up_kernels.norm_gate_up_kernel if kernels else norm_gate_up
     attn_op = attention_kernels.expert_attention_kernel if kernels else expert_attention
     residual_op = gemm_residual.linear_gated_residual_kernel if kernels else linear_gated_residual
     fusion = attn.fusion

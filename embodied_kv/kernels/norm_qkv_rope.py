@@ -1,0 +1,201 @@
+"""pi0.5's adaptive RMSNorm folded into the q/k/v GEMM, RoPE in the epilogue.
+
+    norm_qkv_rope  xn = rms_norm(h) * (1 + scale) + shift;  q, k, v = xn W_qkv^T;  rope(q), rope(k)
+
+The shared prologue (the rows' RMS, each h tile normalised and modulated in registers) is
+kernels/norm_prologue.py; here the epilogue holds the columns d and d + D/2 of a head in two
+fp32 accumulators and rotates them before the one rounding to h's dtype.
+
+Supported range: as kernels/norm_prologue.py for h, scale1, shift and the weight (q, k, v
+rows); head_dim D even; cos / sin [N, 1, D] fp32 (`Rope.at`). Outputs in h's dtype: q, k, v
+as views of one [N, Hq + 2 Hkv, D] buffer (v has the token stride of the fused GEMM's output,
+as today).
+
+The reference `norm_qkv_rope_ref` is the model's CPU chain (AdaRMSNorm.modulate, one GEMM per
+projection as `Attention.qkv` runs without model/fused.py, Rope.rotate): the CPU runs it, so
+CPU bytes are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from embodied_kv.kernels.norm_prologue import (
+    BLOCK_K,
+    PI05_EXPERT,
+    check_common,
+    numerics,
+    pick_block_m,
+    tag,
+)
+from embodied_kv.kernels.rms_norm import rms_norm_ref
+from embodied_kv.kernels.rope import rope_ref
+from embodied_kv.kernels.triton_base import Launch, pow2, tl, triton, use_kernel
+
+QKV_BLOCK_H = 16  # columns of each half-head per program: pi05 -> 10 heads x 8 = 80 programs
+
+
+def norm_qkv_rope_ref(
+    h: torch.Tensor,  # [N, W] residual stream
+    scale1: torch.Tensor,  # [W] fp32, 1 + scale
+    shift: torch.Tensor,  # [W] fp32
+    eps: float,
+    w_qkv: torch.Tensor,  # [(Hq + 2 Hkv) * D, W]: q rows, k rows, v rows
+    sizes: list[int],  # [Hq * D, Hkv * D, Hkv * D]
+    cos: torch.Tensor,  # [N, 1, D] fp32
+    sin: torch.Tensor,  # [N, 1, D] fp32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> q [N, Hq, D], k [N, Hkv, D] rotated, v [N, Hkv, D]; h's dtype."""
+    n, d = h.shape[0], cos.shape[-1]
+    xn = rms_norm_ref(h, scale1, eps, shift)
+    # one GEMM per projection, as the CPU model runs them (fused GEMMs are CUDA-only)
+    q, k, v = (F.linear(xn, w).view(n, -1, d) for w in w_qkv.split(sizes))
+    return rope_ref(q, cos, sin), rope_ref(k, cos, sin), v
+
+
+if triton is not None:
+    from embodied_kv.kernels.norm_prologue import norm_dot_pair
+    from embodied_kv.kernels.triton_base import round_bf16
+
+    @triton.jit
+    def _norm_qkv_rope_fwd(
+        h_ptr,  # [N, W] residual stream, contiguous last dim
+        scale_ptr,  # [W] fp32 1 + scale
+        shift_ptr,  # [W] fp32 shift
+        w_ptr,  # [heads * D, W] fused q/k/v weight, h's dtype
+        cos_ptr,  # [N, 1, D] fp32 [c, c] per row
+        sin_ptr,  # [N, 1, D] fp32 [-s, s] per row
+        out_ptr,  # [N, heads, D] contiguous output: q heads, k heads, v heads
+        n_rows,  # N
+        width,  # W
+        rope_heads,  # Hq + Hkv: heads rotated (the v heads after them are not)
+        eps,
+        stride_h,  # h stride over rows (elements)
+        stride_w,  # weight stride over rows
+        stride_c,  # cos / sin stride over rows
+        stride_o,  # out stride over rows (heads * D)
+        HEAD_DIM: tl.constexpr,  # D
+        BLOCK_M: tl.constexpr,
+        BLOCK_H: tl.constexpr,  # columns of each half-head per program
+        BLOCK_K: tl.constexpr,
+        ROUND_BF16: tl.constexpr,  # round to nearest even by hand (the interpreter truncates)
+        DOT_IN_FP32: tl.constexpr,  # interpreter only, see triton_base.dot
+        INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding)
+    ):
+        # grid (cdiv(N, BLOCK_M), heads * cdiv(D/2, BLOCK_H)): program (m, p) owns rows
+        # [m*BLOCK_M, ...) and, of head p // chunks, the columns j and j + D/2 for j in its
+        # chunk p % chunks of [0, D/2): the two halves a rotation mixes
+        HALF: tl.constexpr = HEAD_DIM // 2
+        chunks = tl.cdiv(HALF, BLOCK_H)
+        head = tl.program_id(1) // chunks
+        offs_j = (tl.program_id(1) % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_j = offs_j < HALF
+        cols_lo = head * HEAD_DIM + offs_j
+        cols_hi = cols_lo + HALF
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = rows < n_rows
+        acc_lo, acc_hi = norm_dot_pair(
+            h_ptr, scale_ptr, shift_ptr, w_ptr, rows, mask_m, cols_lo, cols_hi, mask_j, width,
+            eps, stride_h, stride_w, BLOCK_M, BLOCK_H, BLOCK_K, ROUND_BF16, DOT_IN_FP32,
+            INPUT_PRECISION,
+        )  # fmt: skip
+        mask = mask_m[:, None] & mask_j[None, :]
+        if head < rope_heads:
+            # rope_ref: out[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]
+            tab = rows[:, None] * stride_c + offs_j[None, :]
+            cos_lo = tl.load(cos_ptr + tab, mask=mask, other=0.0)
+            sin_lo = tl.load(sin_ptr + tab, mask=mask, other=0.0)
+            cos_hi = tl.load(cos_ptr + tab + HALF, mask=mask, other=0.0)
+            sin_hi = tl.load(sin_ptr + tab + HALF, mask=mask, other=0.0)
+            lo = acc_lo * cos_lo + acc_hi * sin_lo
+            hi = acc_hi * cos_hi + acc_lo * sin_hi
+        else:
+            lo = acc_lo
+            hi = acc_hi
+        out = out_ptr + rows[:, None] * stride_o + cols_lo[None, :]
+        tl.store(out, round_bf16(lo, ROUND_BF16).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, round_bf16(hi, ROUND_BF16).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def plan_norm_qkv_rope(
+    h: torch.Tensor,  # [N, W]
+    scale1: torch.Tensor,  # [W] fp32
+    shift: torch.Tensor,  # [W] fp32
+    eps: float,
+    w_qkv: torch.Tensor,  # [heads * D, W]
+    rope_heads: int,  # Hq + Hkv
+    cos: torch.Tensor,  # [N, 1, D] fp32
+    sin: torch.Tensor,  # [N, 1, D] fp32
+    out: torch.Tensor,  # [N, heads, D] contiguous
+) -> Launch:
+    """The one launch (inputs already validated): grid (cdiv(N, BLOCK_M), heads x
+    cdiv(D/2, BLOCK_H)); at pi05 one row block of 64 x 80 column programs."""
+    n, w = h.shape
+    heads, d = out.shape[1], out.shape[2]
+    block_h = min(QKV_BLOCK_H, pow2(d // 2))
+    strides = (h.stride(0), w_qkv.stride(0), cos.stride(0), out.stride(0))
+    block_m = pick_block_m(n)
+    return Launch(
+        name=f"norm_qkv_rope {tag(h)} heads={rope_heads}+{heads - rope_heads} D={d} "
+        f"block_m={block_m} block_h={block_h}",
+        kernel=_norm_qkv_rope_fwd,
+        grid=(-(-n // block_m), heads * -(-(d // 2) // block_h)),
+        args=(h, scale1, shift, w_qkv, cos, sin, out, n, w, rope_heads, eps, *strides),
+        constexprs={
+            "HEAD_DIM": d,
+            "BLOCK_M": block_m,
+            "BLOCK_H": block_h,
+            "BLOCK_K": BLOCK_K,
+            **numerics(h.dtype),
+        },
+        num_warps=4,
+        num_stages=3,
+    )
+
+
+def norm_qkv_rope_kernel(h, scale1, shift, eps: float, w_qkv, sizes, cos, sin):
+    """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); arguments as
+    `norm_qkv_rope_ref`."""
+    n, d = h.shape[0], cos.shape[-1]
+    if len(sizes) != 3 or sizes[1] != sizes[2] or d % 2 or any(s <= 0 or s % d for s in sizes):
+        raise ValueError(
+            f"norm_qkv_rope: sizes {list(sizes)} must be [Hq * D, Hkv * D, Hkv * D] for the "
+            f"tables' head_dim D = {d} (even)"
+        )
+    check_common(h, scale1, shift, w_qkv, sum(sizes), "norm_qkv_rope")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(
+                f"norm_qkv_rope: {name} must be fp32 [{n}, 1, {d}] with a contiguous last "
+                f"dim, got {t.dtype} {tuple(t.shape)}"
+            )
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos and sin strides differ: {cos.stride(0)} vs {sin.stride(0)}")
+    hq, hkv = sizes[0] // d, sizes[1] // d
+    out = torch.empty(n, hq + 2 * hkv, d, dtype=h.dtype, device=h.device)
+    plan_norm_qkv_rope(h, scale1, shift, eps, w_qkv, hq + hkv, cos, sin, out).run()
+    return out[:, :hq], out[:, hq : hq + hkv], out[:, hq + hkv :]
+
+
+def norm_qkv_rope(h, scale1, shift, eps: float, w_qkv, sizes, cos, sin):
+    """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere."""
+    if use_kernel(h, scale1, shift, w_qkv):
+        return norm_qkv_rope_kernel(h, scale1, shift, eps, w_qkv, sizes, cos, sin)
+    return norm_qkv_rope_ref(h, scale1, shift, eps, w_qkv, sizes, cos, sin)
+
+
+def pi05_launches(dtype: torch.dtype = torch.bfloat16) -> list[Launch]:
+    """The one launch at pi05 expert shapes, planned on `meta` tensors (for
+    kernels/offline_compile.py)."""
+    n, w, (hq, hkv, d) = (PI05_EXPERT[k] for k in ("rows", "width", "heads"))
+    meta = {"dtype": dtype, "device": "meta"}
+    h = torch.empty(n, w, **meta)
+    vec = torch.empty(w, device="meta")
+    table = torch.empty(n, 1, d, device="meta")
+    heads = hq + 2 * hkv
+    qkv = plan_norm_qkv_rope(
+        h, vec, vec, 1e-6, torch.empty(heads * d, w, **meta), hq + hkv, table, table,
+        torch.empty(n, heads, d, **meta),
+    )  # fmt: skip
+    return [qkv]
