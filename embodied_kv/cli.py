@@ -131,7 +131,7 @@ def train_config(args: argparse.Namespace):
              for k in ("batch", "buckets", "lr", "threads", "curriculum", "ramp", "warmup",
                        "data_workers", "embed_std", "until", "stop_after", "flow_dims",
                        "ground_weight", "ground_layer", "freeze", "position_weight",
-                       "object_weight", "bin_sigma", "bin_weight")}  # fmt: skip
+                       "object_weight", "bin_sigma", "bin_weight", "name_weight")}  # fmt: skip
     data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
     return TrainConfig(
         out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -262,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--bin-weight", type=float,
                     help="the `bins` action ids' loss weight against other text tokens "
                          "(default 1)")  # fmt: skip
+    tr.add_argument("--name-weight", type=float,
+                    help="weight of the regression of a question's named things' table (x, y) "
+                         "from their names' rows (needs --ground-weight and --object-weight; "
+                         "default 0: off)")  # fmt: skip
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)

@@ -35,6 +35,10 @@ class Batch:
     ground: torch.Tensor | None = None  # [B, I] dataset.GROUND id of each image token's patch
     phases: list[str] | None = None  # the expert's phase at each sample's state
     centres: torch.Tensor | None = None  # [B, I, 2] table (x, y) each patch shows, NaN: none
+    # the things the questions name: [M, 2] (sample, text index of the name's last token)
+    # and [M, 2] their table (x, y) (train/names.py)
+    names_at: torch.Tensor | None = None
+    names_xy: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -50,7 +54,9 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
     max_text_tokens), then each turn's suffix without BOS, its target and EOS."""
     bins = None
     rows, prompt_lens, label_rows = [], [], []
-    for s in samples:
+    names_at: list[tuple[int, int]] = []
+    names_xy: list[tuple[float, float]] = []
+    for b, s in enumerate(samples):
         state = np.zeros(cfg.state_dim)
         state[: min(cfg.state_dim, s.state.shape[0])] = s.state[: cfg.state_dim]
         prompt = tokenizer.encode(format_prompt(s.instruction, state, cfg.state_bins))
@@ -63,8 +69,13 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
             labels[-1:] = target[:1]  # the prompt's last row predicts the first action id
             ids += target
             labels += target[1:] + [IGNORE]
-        for suffix, text in s.turns:
+        for turn, (suffix, text) in enumerate(s.turns):
+            start = len(ids)
             ids += tokenizer.encode(suffix, bos=False) if suffix else []
+            named = [(n, x, y) for i, n, x, y in s.names if i == turn]
+            for at, (_, x, y) in zip(name_ends(ids, start, named, tokenizer), named, strict=True):
+                names_at.append((b, at))
+                names_xy.append((x, y))
             target = tokenizer.encode(text, bos=False) + [tokenizer.eos_id]
             labels += [IGNORE] * (len(ids) - len(labels))
             labels[-1] = target[0]  # the token whose logits give target[0]
@@ -86,7 +97,25 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         ground=torch.from_numpy(np.stack([s.ground.reshape(-1) for s in samples])),
         phases=[s.phase for s in samples],
         centres=torch.from_numpy(np.stack([s.centres.reshape(-1, 2) for s in samples])),
+        names_at=torch.tensor(names_at, dtype=torch.long).reshape(-1, 2),
+        names_xy=torch.tensor(names_xy, dtype=torch.float32).reshape(-1, 2),
     )
+
+
+def name_ends(ids: list[int], start: int, named, tokenizer) -> list[int]:
+    """Text index of the last token of each name in `named` [(words, x, y)], searched in
+    order in ids[start:] (a question names its things left to right, each after the
+    previous one); ValueError if a name's tokens are not there."""
+    out, pos = [], start
+    for words, _, _ in named:
+        want = tokenizer.encode(words, bos=False)
+        at = next((i for i in range(pos, len(ids) - len(want) + 1)
+                   if ids[i : i + len(want)] == want), None)  # fmt: skip
+        if at is None:
+            raise ValueError(f"the name {words!r} is not in the question's tokens")
+        pos = at + len(want)
+        out.append(pos - 1)
+    return out
 
 
 def pad_rows(rows: list[list[int]], label_rows: list[list[int]], pad_id: int):

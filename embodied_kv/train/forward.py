@@ -31,10 +31,12 @@ class BackboneOut:
     image_tokens: int  # I
     images: torch.Tensor | None = None  # [B, I, W] the projected image tokens (aux loss)
     tapped: torch.Tensor | None = None  # [B, I, W] image rows after `tap` layers (grounding)
+    tapped_text: torch.Tensor | None = None  # [B, T, W] text rows after `tap` layers (names)
 
 
 def backbone_forward(model, batch: Batch, tap: int = 0) -> BackboneOut:
-    """`tap` > 0: also the image rows of the residual stream after that many layers."""
+    """`tap` > 0: also the image and text rows of the residual stream after that many
+    layers."""
     bb, cfg = model.backbone, model.cfg
     b, cams = batch.images.shape[:2]
     img = model.vision(batch.images.reshape(b * cams, *batch.images.shape[2:]))
@@ -52,8 +54,8 @@ def backbone_forward(model, batch: Batch, tap: int = 0) -> BackboneOut:
     ) & valid[:, None, :]  # [B, L(i), L(j)]
     tapped: list[torch.Tensor] = []
     x, keys, values = backbone_layers(bb, x, allowed, tap, tapped)
-    rows = tapped[0][:, :n_img] if tapped else None
-    return BackboneOut(bb.norm(x), keys, values, prefix, n_img, img, rows)
+    rows, text = (tapped[0][:, :n_img], tapped[0][:, n_img:]) if tapped else (None, None)
+    return BackboneOut(bb.norm(x), keys, values, prefix, n_img, img, rows, text)
 
 
 def backbone_layers(

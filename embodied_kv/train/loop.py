@@ -85,6 +85,10 @@ class TrainConfig:
     # the `bins` action ids' losses times this against the other text tokens' (an
     # `actions` sample's two informative ids are 1/40 of its mean: train/action_bins.py)
     bin_weight: float = 1.0
+    # the grounding head's object outputs also regress, from the row of each name a scene
+    # question names, that thing's table (x, y) (train/names.py; needs ground_weight and
+    # object_weight > 0); 0 = off
+    name_weight: float = 0.0
     seed: int = 0
     log_every: int = 10
     ckpt_every: int = 200
@@ -138,6 +142,12 @@ class TrainConfig:
             raise ValueError(f"embed_std={self.embed_std} must be in [0, 1)")
         if self.until < 0 or self.stop_after < 0:
             raise ValueError(f"until={self.until} and stop_after={self.stop_after} must be >= 0")
+        if self.name_weight < 0 or (
+            self.name_weight > 0 and min(self.ground_weight, self.object_weight) <= 0
+        ):
+            raise ValueError(f"name_weight={self.name_weight} must be >= 0 and needs the "
+                             "grounding head's object outputs (ground_weight, object_weight "
+                             "> 0)")  # fmt: skip
         if self.bin_sigma < 0 or self.bin_weight <= 0:
             raise ValueError(f"bin_sigma={self.bin_sigma} must be >= 0 and bin_weight="
                              f"{self.bin_weight} > 0")  # fmt: skip
@@ -302,7 +312,7 @@ def step_losses(cfg: TrainConfig, model, b, gen, head, ground):
     return compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch, head,
                           cfg.patch_weight, cfg.flow_dims, ground, cfg.ground_weight,
                           cfg.position_weight, cfg.object_weight, cfg.bin_sigma,
-                          cfg.bin_weight)  # fmt: skip
+                          cfg.bin_weight, cfg.name_weight)  # fmt: skip
 
 
 def call_over(cfg: TrainConfig, step: int, call_seconds: float) -> bool:
@@ -394,6 +404,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "position": sum(p.position * p.n_samples for p in parts) / n,
         "object": sum(p.object * p.n_samples for p in parts) / n,
         "object_rows": sum(p.object_rows * p.n_samples for p in parts) / n,
+        "names": sum(p.names * p.n_samples for p in parts) / n,
         # |greedy bin - target| in action units over the step's `bins` ids (None: none)
         "bins_err": round(bins_sum / bins_n, 4) if bins_n else None,
         "first": first,

@@ -18,6 +18,7 @@ from embodied_kv.train.action_bins import action_id_range, bin_error, token_loss
 from embodied_kv.train.batch import IGNORE, Batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
 from embodied_kv.train.grounding import GroundHead, object_loss
+from embodied_kv.train.names import name_loss
 from embodied_kv.world.expert import STAGES
 from embodied_kv.world.render import LABELS
 from embodied_kv.world.scene import REAL_ACTION_DIMS
@@ -53,6 +54,7 @@ class Losses:
     object_rows: float = 0.0  # the same from the grounding head's rows (0 without the head)
     # [sum, count] of |greedy bin - target bin| in action units over the `bins` action ids
     bins_err: tuple[float, int] = (0.0, 0)
+    names: float = 0.0  # the named things' position from their names' rows (0 when off)
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -67,7 +69,7 @@ def compute_losses(
     sample_share: float = 1.0, patch_head: torch.nn.Module | None = None,
     patch_weight: float = 1.0, flow_dims: int = 0, ground_head: GroundHead | None = None,
     ground_weight: float = 0.0, position_weight: float = 0.0, object_weight: float = 0.0,
-    bin_sigma: float = 0.0, bin_weight: float = 1.0,
+    bin_sigma: float = 0.0, bin_weight: float = 1.0, name_weight: float = 0.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
@@ -77,7 +79,8 @@ def compute_losses(
     loss over the first flow_dims action dims only (the world's real ones; 0 = all).
     `bin_sigma` > 0: the `bins` action ids against soft targets that many bins wide
     (train/action_bins.py; 0 = one-hot, as every other token), their losses times
-    `bin_weight`."""
+    `bin_weight`. `name_weight` > 0: the grounding head's object outputs also regress the
+    position of each thing a question names from its name's row (train/names.py)."""
     out = backbone_forward(model, batch, ground_head.layer if ground_head is not None else 0)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
     logits = text_logits(model, out, rows, cols)  # [N, V]
@@ -89,11 +92,14 @@ def compute_losses(
     acc = right.float().mean()
     flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims)
     total = text + flow_weight * flow
-    ground = obj_rows = torch.zeros(())
+    ground = obj_rows = names = torch.zeros(())
     recall = 0.0
     if ground_head is not None and batch.ground is not None:
         ground, recall, obj_rows = ground_head.loss(out.tapped, batch.ground, batch.centres)
         total = total + ground_weight * ground + object_weight * obj_rows
+        if name_weight > 0 and batch.names_at is not None:
+            names = name_loss(ground_head, out.tapped_text, batch.names_at, batch.names_xy)
+            total = total + name_weight * names
     patch = patch_acc = position = obj = torch.zeros(())
     if patch_head is not None:  # [B, I, K] vs [B, I] (then [B, I, 2] position, object)
         outputs = patch_head(out.images.float())
@@ -115,7 +121,8 @@ def compute_losses(
                   float(patch_acc), whole, stage_errors(estimate, batch.actions, batch.phases),
                   float(real), float(ground.detach()), recall,
                   float(position.detach()), float(obj.detach()),
-                  float(obj_rows.detach()), bin_error(logits.detach(), targets, lo, n))  # fmt: skip
+                  float(obj_rows.detach()), bin_error(logits.detach(), targets, lo, n),
+                  float(names.detach()))  # fmt: skip
 
 
 def head_outputs(position: bool, centres: bool) -> int:

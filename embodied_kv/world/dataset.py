@@ -111,6 +111,8 @@ class Sample:
     ground: np.ndarray  # [cameras, patches] GROUND ids: the instruction's objects per patch
     phase: str  # the expert's phase at this state (expert.STAGES groups them)
     centres: np.ndarray  # [cameras, patches, 2] table (x, y) each patch shows, NaN: none
+    # things the turns' questions name: (turn index, the naming words, table x, y)
+    names: tuple[tuple[int, str, float, float], ...] = ()
 
     @property
     def suffix(self) -> str:
@@ -134,10 +136,12 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
     mix = np.asarray(cfg.text_mix) / sum(cfg.text_mix)
     kind = TEXT_KINDS[rng.choice(len(TEXT_KINDS), p=mix)]
     turns: list[tuple[str, str]] = []
+    names: list[tuple[int, str, float, float]] = []
     if kind == "answer":
         for _ in range(cfg.turns):
             where = cfg.where_share > 0 and rng.random() < cfg.where_share
             qa = sample_question(scene, rng, "where" if where else None)
+            names += [(len(turns), *named) for named in qa.named]
             turns.append((f"\nQuestion: {qa.question}\nAnswer: ", qa.answer))
     elif kind == "plan":
         hops = [2 if rng.random() < cfg.two_hop_share else 1 for _ in range(cfg.turns)]
@@ -159,6 +163,7 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
         ground=ground_labels(patches, task),
         phase=phase,
         centres=object_centres(scene, patches),
+        names=tuple(names),
     )
 
 

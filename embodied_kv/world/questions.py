@@ -24,6 +24,9 @@ class QA:
     kind: str
     question: str
     answer: str
+    # the things the question names, in the order it names them: (the words that name it,
+    # table x, y); training regresses the position from the name's row (train/names.py)
+    named: tuple[tuple[str, float, float], ...] = ()
 
 
 def ask_colour(scene: Scene, rng: np.random.Generator) -> QA | None:
@@ -33,7 +36,7 @@ def ask_colour(scene: Scene, rng: np.random.Generator) -> QA | None:
     if not unique:
         return None
     t = unique[rng.integers(len(unique))]
-    return QA("colour", f"what colour is the {t.shape} ?", t.colour)
+    return QA("colour", f"what colour is the {t.shape} ?", t.colour, ((t.shape, t.x, t.y),))
 
 
 LEFT_MARGIN = 0.15  # table units: a pair closer in x than this is not asked about (4.8 px
@@ -49,7 +52,8 @@ def ask_left(scene: Scene, rng: np.random.Generator) -> QA | None:
     if not pairs:
         return None
     ta, tb = (things[i] for i in pairs[rng.integers(len(pairs))])
-    return QA("left", f"is the {ta.name} left of the {tb.name} ?", "yes" if ta.x < tb.x else "no")
+    return QA("left", f"is the {ta.name} left of the {tb.name} ?", "yes" if ta.x < tb.x else "no",
+              ((ta.name, ta.x, ta.y), (tb.name, tb.x, tb.y)))  # fmt: skip
 
 
 WHERE_EDGES = (-0.25, 0.25)  # x splitting the spawn range [-0.75, 0.75] into thirds
@@ -69,7 +73,7 @@ def ask_where(scene: Scene, rng: np.random.Generator) -> QA | None:
     if not clear:
         return None
     t = clear[rng.integers(len(clear))]
-    return QA("where", f"where is the {t.name} ?", where_word(t.x))
+    return QA("where", f"where is the {t.name} ?", where_word(t.x), ((t.name, t.x, t.y),))
 
 
 def ask_count(scene: Scene, rng: np.random.Generator) -> QA:
