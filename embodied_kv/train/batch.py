@@ -62,6 +62,10 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         prompt = tokenizer.encode(format_prompt(s.instruction, state, cfg.state_bins))
         ids = prompt[: cfg.max_text_tokens]
         prompt_lens.append(len(ids))
+        named = [(n, x, y) for i, n, x, y in s.names if i < 0]  # the instruction's
+        for at, (_, x, y) in zip(name_ends(ids, 0, named, tokenizer), named, strict=True):
+            names_at.append((b, at))
+            names_xy.append((x, y))
         labels = [IGNORE] * len(ids)
         if s.kind == "actions":
             bins = bins or _bins(cfg)

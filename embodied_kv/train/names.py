@@ -1,15 +1,19 @@
-"""Where the things a question names are, regressed from the name's own row (issue 34:
-"is the red ball left of the blue box ?" stayed at 0.75-0.78, teacher-forced on training
-and held-out scenes alike: underfit, not overfit).
+"""Where the things the text names are, regressed from the name's own row (issue 34).
+
+Two skills need a text row that knows where a named object is: "is the red ball left of
+the blue box ?" (0.74-0.83 teacher-forced on the shipped weights, on training and held-out
+scenes alike: underfit, not overfit) and the `ar` mode's first action id, predicted at
+the prompt's last row (step 0's x and y off by ~0.5 in action units, teacher-forced).
 
 The grounding head's object outputs (train/grounding.py) already read, from each image
 row after `ground_layer` layers, the table (x, y) of the thing that patch shows. Here the
-same two outputs read the row of the last token of each name in a question ("ball" of
-"the red ball"; the words come from world/questions.py `QA.named`, the rows from
-train/batch.py `name_ends`) and regress that thing's (x, y): the name's row has to fetch
-its object's position from the image rows it attends to, the comparison the answer needs
-then reads two rows that hold positions in the same code as the image rows. Training
-only: the head is not in weights.safetensors, and inference runs the same model."""
+same two outputs read the row of the last token of each name ("key" of "the red key"): the
+instruction's movable and container in the prompt, and each thing a scene question names
+(world/questions.py `QA.named`; rows from train/batch.py `name_ends`), and regress that
+thing's (x, y). The name's row has to fetch its object's position from the image rows it
+attends to; what reads it later (the answer's row, the first action id's row, the expert
+through the prefix K/V) finds it in the same code as the image rows. Training only: the
+head is not in weights.safetensors, and inference runs the same model."""
 
 from __future__ import annotations
 

@@ -111,7 +111,8 @@ class Sample:
     ground: np.ndarray  # [cameras, patches] GROUND ids: the instruction's objects per patch
     phase: str  # the expert's phase at this state (expert.STAGES groups them)
     centres: np.ndarray  # [cameras, patches, 2] table (x, y) each patch shows, NaN: none
-    # things the turns' questions name: (turn index, the naming words, table x, y)
+    # things the text names: (turn index, the naming words, table x, y); turn -1 is the
+    # instruction (its movable, then its container), then each question's things
     names: tuple[tuple[int, str, float, float], ...] = ()
 
     @property
@@ -136,7 +137,7 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
     mix = np.asarray(cfg.text_mix) / sum(cfg.text_mix)
     kind = TEXT_KINDS[rng.choice(len(TEXT_KINDS), p=mix)]
     turns: list[tuple[str, str]] = []
-    names: list[tuple[int, str, float, float]] = []
+    names = [(-1, name, (t := scene.get(name)).x, t.y) for name in (task.movable, task.container)]
     if kind == "answer":
         for _ in range(cfg.turns):
             where = cfg.where_share > 0 and rng.random() < cfg.where_share

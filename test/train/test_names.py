@@ -1,6 +1,7 @@
-"""The position of each thing a scene question names, regressed from its name's row
-(train/names.py): the data carry the names, the batch finds their rows, the loss reads
-the grounding head's object outputs there, and a run logs it."""
+"""The position of each thing the text names (the instruction's movable and container, a
+scene question's things), regressed from its name's row (train/names.py): the data carry
+the names, the batch finds their rows, the loss reads the grounding head's object outputs
+there, and a run logs it."""
 
 import json
 
@@ -51,16 +52,20 @@ def test_the_batch_points_at_each_names_last_token(tmp_path):
     tok = WordTokenizer(save_tokenizer(tmp_path / "tok.json"))
     samples = [make_sample(ANSWERS, s) for s in range(6)]
     b = make_batch(samples, tok, world_config())
-    want = [(i, n, x, y) for i, s in enumerate(samples) for (_, n, x, y) in s.names]
-    assert len(want) > 10 and b.names_at.shape == (len(want), 2)
+    want = [(i, *name) for i, s in enumerate(samples) for name in s.names]
+    assert len(want) > 10 + 2 * len(samples) and b.names_at.shape == (len(want), 2)
     np.testing.assert_allclose(b.names_xy.numpy(), [(x, y) for *_, x, y in want], rtol=1e-6)
-    for (row, at), (i, name, _, _) in zip(b.names_at.tolist(), want, strict=True):
+    for (row, at), (i, turn, name, _, _) in zip(b.names_at.tolist(), want, strict=True):
         assert row == i
         words = tok.encode(name, bos=False)
         assert b.ids[row, at - len(words) + 1 : at + 1].tolist() == words
-        assert at >= int(b.prompt_len[row])  # in a question turn, after the prompt
+        # the instruction's names in the prompt, a question's after it
+        assert (at < int(b.prompt_len[row])) == (turn < 0)
+    for s in samples:  # the instruction names its movable, then its container, where they are
+        task, scene_names = s.instruction.split("put the ")[1].split(" in the "), s.names[:2]
+        assert [(i, n) for i, n, _, _ in scene_names] == [(-1, task[0]), (-1, task[1])]
     plans = [make_sample(DataConfig(text_mix=(0.0, 1.0, 0.0, 0.0)), s) for s in range(2)]
-    assert make_batch(plans, tok, world_config()).names_at.shape == (0, 2)
+    assert make_batch(plans, tok, world_config()).names_at.shape == (4, 2)
 
 
 def test_the_loss_is_the_object_outputs_mse_at_the_name_rows():
