@@ -384,8 +384,8 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
     first: dict[str, list[int]] = {}
     whole: dict[str, list[int]] = {}
     stage: dict[str, list[float]] = {}
-    bins_sum = sum(p.bins_err[0] for p in parts)
-    bins_n = sum(p.bins_err[1] for p in parts)
+    bins_sum, bins_n = (sum(p.bins_err[i] for p in parts) for i in (0, 1))
+    first_sum, first_n = (sum(p.bins_err_first[i] for p in parts) for i in (0, 1))
     for p in parts:
         add_counts(first, p.first_right)
         add_counts(whole, p.whole_right)
@@ -407,6 +407,7 @@ def step_record(step: int, parts: list, seconds: float) -> dict:
         "names": sum(p.names * p.n_samples for p in parts) / n,
         # |greedy bin - target| in action units over the step's `bins` ids (None: none)
         "bins_err": round(bins_sum / bins_n, 4) if bins_n else None,
+        "bins_err_first": round(first_sum / first_n, 4) if first_n else None,  # first ids
         "first": first,
         "whole": whole,
         "stage": stage,

@@ -55,6 +55,9 @@ class Losses:
     # [sum, count] of |greedy bin - target bin| in action units over the `bins` action ids
     bins_err: tuple[float, int] = (0.0, 0)
     names: float = 0.0  # the named things' position from their names' rows (0 when off)
+    # bins_err over each `actions` sample's first id only (predicted at the prompt's last
+    # row from the image and the instruction: what the `ar` mode gets wrong first)
+    bins_err_first: tuple[float, int] = (0.0, 0)
 
 
 def sample_time(b: int, generator: torch.Generator) -> torch.Tensor:
@@ -116,13 +119,15 @@ def compute_losses(
             obj = object_loss(extra[-1], batch.centres)
             total = total + object_weight * obj
     first, whole = turn_counts(batch, rows, cols, right)
+    starts = turn_starts(batch, rows, cols)
     return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
                   float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
                   float(patch_acc), whole, stage_errors(estimate, batch.actions, batch.phases),
                   float(real), float(ground.detach()), recall,
                   float(position.detach()), float(obj.detach()),
                   float(obj_rows.detach()), bin_error(logits.detach(), targets, lo, n),
-                  float(names.detach()))  # fmt: skip
+                  float(names.detach()), bin_error(logits.detach()[starts], targets[starts],
+                                                   lo, n))  # fmt: skip
 
 
 def head_outputs(position: bool, centres: bool) -> int:
@@ -208,13 +213,11 @@ def per_sample_mean(loss: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Ten
 def turn_counts(batch: Batch, rows, cols, right) -> tuple[dict, dict]:
     """Per kind [right, counted] over each turn's first target token (its label follows
     an unlabelled position), and over whole turns (every token of the turn right)."""
-    lab = batch.labels
-    prev = torch.where(cols > 0, lab[rows, (cols - 1).clamp(min=0)], IGNORE)
+    starts = turn_starts(batch, rows, cols)
     first: dict[str, list[int]] = {}
     whole: dict[str, list[int]] = {}
     turn: list = []  # [kind, all right so far] of the open turn
-    for r, f, ok in zip(rows.tolist(), (prev == IGNORE).tolist(), right.tolist(),
-                        strict=True):  # fmt: skip
+    for r, f, ok in zip(rows.tolist(), starts.tolist(), right.tolist(), strict=True):
         if f:
             if turn:
                 add_counts(whole, {turn[0]: [int(turn[1]), 1]})
@@ -224,6 +227,13 @@ def turn_counts(batch: Batch, rows, cols, right) -> tuple[dict, dict]:
     if turn:
         add_counts(whole, {turn[0]: [int(turn[1]), 1]})
     return first, whole
+
+
+def turn_starts(batch: Batch, rows, cols) -> torch.Tensor:
+    """[N] bool: the target token is its turn's first (its label follows an unlabelled
+    position; an `actions` sample's first action id)."""
+    lab = batch.labels
+    return torch.where(cols > 0, lab[rows, (cols - 1).clamp(min=0)], IGNORE) == IGNORE
 
 
 def add_counts(into: dict[str, list], counts: dict[str, list]) -> None:

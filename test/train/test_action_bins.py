@@ -97,6 +97,7 @@ def test_a_run_logs_the_bin_error_and_the_flags_reach_it(tmp_path):
     log = train(TrainConfig(out=str(tmp_path / "a"), steps=2, bin_sigma=3.0, bin_weight=4.0,
                             **recipe), progress=False)  # fmt: skip
     assert all(r["bins_err"] is not None and 0 <= r["bins_err"] <= 2 for r in log)
+    assert all(r["bins_err_first"] is not None and 0 <= r["bins_err_first"] <= 2 for r in log)
     saved = [json.loads(x) for x in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
     assert [r["bins_err"] for r in saved] == [r["bins_err"] for r in log]
     args = build_parser().parse_args(
