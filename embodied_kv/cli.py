@@ -263,9 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the `bins` action ids' loss weight against other text tokens "
                          "(default 1)")  # fmt: skip
     tr.add_argument("--name-weight", type=float,
-                    help="weight of the regression of a question's named things' table (x, y) "
-                         "from their names' rows (needs --ground-weight and --object-weight; "
-                         "default 0: off)")  # fmt: skip
+                    help="weight of the regression of the named things' table (x, y) (the "
+                         "instruction's, the questions') from their names' rows (needs "
+                         "--ground-weight and --object-weight; default 0: off)")  # fmt: skip
     for flag, kind, text in _DATA_FLAGS:
         tr.add_argument(flag, type=kind, help=text)
     tr.set_defaults(run=run_train)

@@ -28,15 +28,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from embodied_kv.model.action_tokens import BINS, reserved_tail
+from embodied_kv.model.action_tokens import BINS, BinTokenizer, reserved_tail, text_ids
 
 BIN_WIDTH = 2.0 / (BINS - 1)  # value units per bin: OpenVLA's 256 edges over [-1, 1]
 
 
 def action_id_range(cfg) -> tuple[int, int]:
-    """(lo, n): the `bins` ids are lo .. lo + n - 1 (BinTokenizer.action_ids)."""
-    top = cfg.vocab_size - reserved_tail(cfg)
-    return top - BINS, BINS
+    """(lo, n): the `bins` ids are lo .. lo + n - 1, as the model's BinTokenizer lays them."""
+    ids = BinTokenizer(cfg.vocab_size, cfg.action_horizon, cfg.action_dim, reserved_tail(cfg),
+                       text_ids(cfg)).action_ids()  # fmt: skip
+    return int(ids[0]), int(ids.numel())
 
 
 def soft_targets(k: torch.Tensor, n: int, sigma: float) -> torch.Tensor:

@@ -35,8 +35,8 @@ class Batch:
     ground: torch.Tensor | None = None  # [B, I] dataset.GROUND id of each image token's patch
     phases: list[str] | None = None  # the expert's phase at each sample's state
     centres: torch.Tensor | None = None  # [B, I, 2] table (x, y) each patch shows, NaN: none
-    # the things the questions name: [M, 2] (sample, text index of the name's last token)
-    # and [M, 2] their table (x, y) (train/names.py)
+    # the things the text names (the instruction's, the questions'): [M, 2] (sample, text
+    # index of the name's last token) and [M, 2] their table (x, y) (train/names.py)
     names_at: torch.Tensor | None = None
     names_xy: torch.Tensor | None = None
 
@@ -56,16 +56,21 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
     rows, prompt_lens, label_rows = [], [], []
     names_at: list[tuple[int, int]] = []
     names_xy: list[tuple[float, float]] = []
+
+    def add_names(b: int, s: Sample, turn: int, ids: list[int], start: int) -> None:
+        """The rows of the things `turn` names (-1: the instruction) in ids[start:]."""
+        named = [(n, x, y) for i, n, x, y in s.names if i == turn]
+        for at, (_, x, y) in zip(name_ends(ids, start, named, tokenizer), named, strict=True):
+            names_at.append((b, at))
+            names_xy.append((x, y))
+
     for b, s in enumerate(samples):
         state = np.zeros(cfg.state_dim)
         state[: min(cfg.state_dim, s.state.shape[0])] = s.state[: cfg.state_dim]
         prompt = tokenizer.encode(format_prompt(s.instruction, state, cfg.state_bins))
         ids = prompt[: cfg.max_text_tokens]
         prompt_lens.append(len(ids))
-        named = [(n, x, y) for i, n, x, y in s.names if i < 0]  # the instruction's
-        for at, (_, x, y) in zip(name_ends(ids, 0, named, tokenizer), named, strict=True):
-            names_at.append((b, at))
-            names_xy.append((x, y))
+        add_names(b, s, -1, ids, 0)
         labels = [IGNORE] * len(ids)
         if s.kind == "actions":
             bins = bins or _bins(cfg)
@@ -76,10 +81,7 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         for turn, (suffix, text) in enumerate(s.turns):
             start = len(ids)
             ids += tokenizer.encode(suffix, bos=False) if suffix else []
-            named = [(n, x, y) for i, n, x, y in s.names if i == turn]
-            for at, (_, x, y) in zip(name_ends(ids, start, named, tokenizer), named, strict=True):
-                names_at.append((b, at))
-                names_xy.append((x, y))
+            add_names(b, s, turn, ids, start)
             target = tokenizer.encode(text, bos=False) + [tokenizer.eos_id]
             labels += [IGNORE] * (len(ids) - len(labels))
             labels[-1] = target[0]  # the token whose logits give target[0]

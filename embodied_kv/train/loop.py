@@ -85,9 +85,10 @@ class TrainConfig:
     # the `bins` action ids' losses times this against the other text tokens' (an
     # `actions` sample's two informative ids are 1/40 of its mean: train/action_bins.py)
     bin_weight: float = 1.0
-    # the grounding head's object outputs also regress, from the row of each name a scene
-    # question names, that thing's table (x, y) (train/names.py; needs ground_weight and
-    # object_weight > 0); 0 = off
+    # the grounding head's object outputs also regress, from the row of each name the text
+    # gives (the instruction's movable and container, a scene question's things), that
+    # thing's table (x, y) (train/names.py; needs ground_weight and object_weight > 0);
+    # 0 = off
     name_weight: float = 0.0
     seed: int = 0
     log_every: int = 10

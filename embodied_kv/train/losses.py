@@ -83,7 +83,7 @@ def compute_losses(
     `bin_sigma` > 0: the `bins` action ids against soft targets that many bins wide
     (train/action_bins.py; 0 = one-hot, as every other token), their losses times
     `bin_weight`. `name_weight` > 0: the grounding head's object outputs also regress the
-    position of each thing a question names from its name's row (train/names.py)."""
+    position of each thing the text names from its name's row (train/names.py)."""
     out = backbone_forward(model, batch, ground_head.layer if ground_head is not None else 0)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
     logits = text_logits(model, out, rows, cols)  # [N, V]
@@ -118,8 +118,8 @@ def compute_losses(
         if object_weight > 0:
             obj = object_loss(extra[-1], batch.centres)
             total = total + object_weight * obj
-    first, whole = turn_counts(batch, rows, cols, right)
     starts = turn_starts(batch, rows, cols)
+    first, whole = turn_counts(batch, rows, starts, right)
     return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
                   float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),
                   float(patch_acc), whole, stage_errors(estimate, batch.actions, batch.phases),
@@ -210,10 +210,9 @@ def per_sample_mean(loss: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Ten
     return (total[has] / count[has]).mean()
 
 
-def turn_counts(batch: Batch, rows, cols, right) -> tuple[dict, dict]:
-    """Per kind [right, counted] over each turn's first target token (its label follows
-    an unlabelled position), and over whole turns (every token of the turn right)."""
-    starts = turn_starts(batch, rows, cols)
+def turn_counts(batch: Batch, rows, starts, right) -> tuple[dict, dict]:
+    """Per kind [right, counted] over each turn's first target token (`starts`, from
+    turn_starts), and over whole turns (every token of the turn right)."""
     first: dict[str, list[int]] = {}
     whole: dict[str, list[int]] = {}
     turn: list = []  # [kind, all right so far] of the open turn

@@ -89,7 +89,7 @@ def test_length_buckets_give_the_whole_batch_gradient(tmp_path, parts):
 def test_turn_counts_score_first_words_and_whole_answers(tmp_path):
     """Two-hop path answers all begin with "in": the whole-answer count tells a wrong
     place from a right one where the first-word count cannot."""
-    from embodied_kv.train.losses import turn_counts
+    from embodied_kv.train.losses import turn_counts, turn_starts
 
     tok = WordTokenizer(save_tokenizer(tmp_path / "tok.json"))
     samples = _samples("plan", 2, turns=3, two_hop_share=1.0, two_hop_answer="path")
@@ -97,16 +97,17 @@ def test_turn_counts_score_first_words_and_whole_answers(tmp_path):
     b = make_batch(samples, tok, world_config())
     rows, cols = (b.labels != IGNORE).nonzero(as_tuple=True)
     right = torch.ones(len(rows), dtype=torch.bool)
-    assert turn_counts(b, rows, cols, right) == (
+    starts = turn_starts(b, rows, cols)
+    assert turn_counts(b, rows, starts, right) == (
         {"plan": [6, 6], "answer": [2, 2]}, {"plan": [6, 6], "answer": [2, 2]}
     )
     # every turn's last word (the place; EOS follows) wrong in the first sample
     nxt = b.labels[rows, (cols + 1).clamp(max=b.labels.shape[1] - 1)]
     wrong = (rows == 0) & (nxt == tok.eos_id) & (cols + 1 < b.labels.shape[1])
-    first, whole = turn_counts(b, rows, cols, right & ~wrong)
+    first, whole = turn_counts(b, rows, starts, right & ~wrong)
     assert first == {"plan": [6, 6], "answer": [2, 2]}
     assert whole == {"plan": [3, 6], "answer": [2, 2]}
     # the answers' first words wrong: both counts lose those turns
     first_rows = b.labels[rows, cols - 1] == IGNORE
-    first, whole = turn_counts(b, rows, cols, right & ~(first_rows & (rows == 2)))
+    first, whole = turn_counts(b, rows, starts, right & ~(first_rows & (rows == 2)))
     assert first == {"plan": [6, 6], "answer": [0, 2]} and whole["answer"] == [0, 2]
