@@ -131,7 +131,8 @@ def train_config(args: argparse.Namespace):
              for k in ("batch", "buckets", "lr", "threads", "curriculum", "ramp", "warmup",
                        "data_workers", "embed_std", "until", "stop_after", "flow_dims",
                        "ground_weight", "ground_layer", "freeze", "position_weight",
-                       "object_weight", "bin_sigma", "bin_weight", "name_weight")}  # fmt: skip
+                       "object_weight", "bin_sigma", "bin_weight", "name_weight", "bin_first",
+                       "bin_noise")}  # fmt: skip
     data = {_field(flag): getattr(args, _field(flag)) for flag, _, _ in _DATA_FLAGS}
     return TrainConfig(
         out=args.out, steps=args.steps, minutes=args.minutes, seed=args.seed,
@@ -262,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--bin-weight", type=float,
                     help="the `bins` action ids' loss weight against other text tokens "
                          "(default 1)")  # fmt: skip
+    tr.add_argument("--bin-first", type=float,
+                    help="the first step's `bins` ids weigh this many times the others "
+                         "(default 1)")  # fmt: skip
+    tr.add_argument("--bin-noise", type=float,
+                    help="share of the input `bins` ids replaced by random ones, so the "
+                         "`ar` decode recovers from its own errors (default 0: off)")  # fmt: skip
     tr.add_argument("--name-weight", type=float,
                     help="weight of the regression of the named things' table (x, y) (the "
                          "instruction's, the questions') from their names' rows (needs "

@@ -77,3 +77,36 @@ def bin_error(logits: torch.Tensor, targets: torch.Tensor, lo: int, n: int) -> t
     pred = logits[act][:, lo : lo + n].argmax(-1)
     err = (pred - (targets[act] - lo)).abs().float() * BIN_WIDTH
     return float(err.sum()), int(act.sum())
+
+
+def first_step_weights(targets: torch.Tensor, starts: torch.Tensor, lo: int, n: int,
+                       dims: int, weight: float) -> torch.Tensor:  # fmt: skip
+    """[N] loss factors: `weight` on the first `dims` action ids of each `actions` sample
+    (the chunk's first step, what the observation alone decides; teacher-forced, every
+    later step copies or extends it), 1 elsewhere. `starts` [N] bool: each turn's first
+    target (train/losses.py turn_starts)."""
+    out = torch.ones(targets.shape[0], dtype=torch.float32, device=targets.device)
+    act = (targets >= lo) & (targets < lo + n)
+    first = (starts & act).nonzero(as_tuple=True)[0]
+    if weight == 1.0 or first.numel() == 0:
+        return out
+    at = (first[:, None] + torch.arange(dims, device=targets.device)[None, :]).flatten()
+    at = at[at < targets.shape[0]]
+    out[at[act[at]]] = weight
+    return out
+
+
+def noisy_inputs(ids: torch.Tensor, lo: int, n: int, share: float,
+                 generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """ids [B, T] with each input `bins` action id replaced, with probability `share`, by a
+    uniformly drawn one (the labels stay the expert's). Teacher forcing shows the model
+    only right action ids; the `ar` decode feeds back its own, and one wrong id sent the
+    rest of the chunk astray (measured on the arx weights: after a first y id 0.9 off, the
+    gripper and the four always-zero dims decoded at the far end of [-1, 1]). Trained with
+    wrong ids in the context, each id follows the image and its position in the chunk."""
+    if share <= 0:
+        return ids
+    act = (ids >= lo) & (ids < lo + n)
+    draw = torch.rand(ids.shape, generator=generator).to(ids.device) < share
+    rand = torch.randint(lo, lo + n, ids.shape, generator=generator).to(ids.device)
+    return torch.where(act & draw, rand, ids)

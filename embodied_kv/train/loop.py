@@ -21,6 +21,7 @@ from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import load_weights, save_weights
 from embodied_kv.model.word_tokenizer import save_tokenizer
+from embodied_kv.train.action_bins import action_id_range, noisy_inputs
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.grounding import GroundHead
 from embodied_kv.train.losses import add_counts, compute_losses, expert_losses, head_outputs
@@ -85,6 +86,13 @@ class TrainConfig:
     # the `bins` action ids' losses times this against the other text tokens' (an
     # `actions` sample's two informative ids are 1/40 of its mean: train/action_bins.py)
     bin_weight: float = 1.0
+    # the first step's `bins` ids (what the observation alone decides) weigh this many
+    # times the others (train/action_bins.py first_step_weights); 1 = equal
+    bin_first: float = 1.0
+    # share of the input `bins` ids replaced by random ones (train/action_bins.py
+    # noisy_inputs: the `ar` decode feeds back its own ids, teacher forcing only right
+    # ones); 0 = off
+    bin_noise: float = 0.0
     # the grounding head's object outputs also regress, from the row of each name the text
     # gives (the instruction's movable and container, a scene question's things), that
     # thing's table (x, y) (train/names.py; needs ground_weight and object_weight > 0);
@@ -149,9 +157,11 @@ class TrainConfig:
             raise ValueError(f"name_weight={self.name_weight} must be >= 0 and needs the "
                              "grounding head's object outputs (ground_weight, object_weight "
                              "> 0)")  # fmt: skip
-        if self.bin_sigma < 0 or self.bin_weight <= 0:
-            raise ValueError(f"bin_sigma={self.bin_sigma} must be >= 0 and bin_weight="
-                             f"{self.bin_weight} > 0")  # fmt: skip
+        if self.bin_sigma < 0 or self.bin_weight <= 0 or self.bin_first <= 0:
+            raise ValueError(f"bin_sigma={self.bin_sigma} must be >= 0, bin_weight="
+                             f"{self.bin_weight} and bin_first={self.bin_first} > 0")  # fmt: skip
+        if not 0 <= self.bin_noise < 1:
+            raise ValueError(f"bin_noise={self.bin_noise} must be in [0, 1)")
         if self.flow_dims < 0 or self.ground_weight < 0 or self.ground_layer < 1:
             raise ValueError(f"flow_dims={self.flow_dims} >= 0, ground_weight="
                              f"{self.ground_weight} >= 0, ground_layer={self.ground_layer} >= 1")
@@ -269,6 +279,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
             opt.zero_grad(set_to_none=True)
             parts = []
             for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
+                if cfg.bin_noise > 0:
+                    b = replace(b, ids=noisy_inputs(b.ids, *action_id_range(mcfg),
+                                                    cfg.bin_noise, gen))  # fmt: skip
                 losses = step_losses(cfg, model, b, gen, head, ground)
                 losses.total.backward()
                 parts.append(losses)
@@ -313,7 +326,7 @@ def step_losses(cfg: TrainConfig, model, b, gen, head, ground):
     return compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch, head,
                           cfg.patch_weight, cfg.flow_dims, ground, cfg.ground_weight,
                           cfg.position_weight, cfg.object_weight, cfg.bin_sigma,
-                          cfg.bin_weight, cfg.name_weight)  # fmt: skip
+                          cfg.bin_weight, cfg.name_weight, cfg.bin_first)  # fmt: skip
 
 
 def call_over(cfg: TrainConfig, step: int, call_seconds: float) -> bool:

@@ -14,7 +14,12 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from embodied_kv.train.action_bins import action_id_range, bin_error, token_losses
+from embodied_kv.train.action_bins import (
+    action_id_range,
+    bin_error,
+    first_step_weights,
+    token_losses,
+)
 from embodied_kv.train.batch import IGNORE, Batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity, text_logits
 from embodied_kv.train.grounding import GroundHead, object_loss
@@ -73,6 +78,7 @@ def compute_losses(
     patch_weight: float = 1.0, flow_dims: int = 0, ground_head: GroundHead | None = None,
     ground_weight: float = 0.0, position_weight: float = 0.0, object_weight: float = 0.0,
     bin_sigma: float = 0.0, bin_weight: float = 1.0, name_weight: float = 0.0,
+    bin_first: float = 1.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
@@ -82,7 +88,8 @@ def compute_losses(
     loss over the first flow_dims action dims only (the world's real ones; 0 = all).
     `bin_sigma` > 0: the `bins` action ids against soft targets that many bins wide
     (train/action_bins.py; 0 = one-hot, as every other token), their losses times
-    `bin_weight`. `name_weight` > 0: the grounding head's object outputs also regress the
+    `bin_weight`, the first step's ids' times `bin_first` more. `name_weight` > 0: the
+    grounding head's object outputs also regress the
     position of each thing the text names from its name's row (train/names.py)."""
     out = backbone_forward(model, batch, ground_head.layer if ground_head is not None else 0)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
@@ -90,6 +97,10 @@ def compute_losses(
     targets = batch.labels[rows, cols]
     lo, n = action_id_range(model.cfg)
     tokens = token_losses(logits, targets, lo, n, bin_sigma, bin_weight)
+    starts = turn_starts(batch, rows, cols)
+    if bin_first != 1.0:
+        dims = model.cfg.action_dim
+        tokens = tokens * first_step_weights(targets, starts, lo, n, dims, bin_first)
     text = per_sample_mean(tokens, rows, batch.size)
     right = logits.argmax(-1) == targets
     acc = right.float().mean()
@@ -118,7 +129,6 @@ def compute_losses(
         if object_weight > 0:
             obj = object_loss(extra[-1], batch.centres)
             total = total + object_weight * obj
-    starts = turn_starts(batch, rows, cols)
     first, whole = turn_counts(batch, rows, starts, right)
     return Losses(total * sample_share, float(text.detach()), float(flow.detach()),
                   float(acc), first, int(rows.numel()), batch.size, float(patch.detach()),

@@ -14,6 +14,8 @@ from embodied_kv.train.action_bins import (
     BIN_WIDTH,
     action_id_range,
     bin_error,
+    first_step_weights,
+    noisy_inputs,
     soft_targets,
     token_losses,
 )
@@ -95,16 +97,45 @@ def test_a_run_logs_the_bin_error_and_the_flags_reach_it(tmp_path):
 
     recipe = dict(batch=4, curriculum=0, warmup=1, log_every=1, ckpt_every=100, data=DATA)
     log = train(TrainConfig(out=str(tmp_path / "a"), steps=2, bin_sigma=3.0, bin_weight=4.0,
-                            **recipe), progress=False)  # fmt: skip
+                            bin_first=2.0, bin_noise=0.2, **recipe), progress=False)  # fmt: skip
     assert all(r["bins_err"] is not None and 0 <= r["bins_err"] <= 2 for r in log)
     assert all(r["bins_err_first"] is not None and 0 <= r["bins_err_first"] <= 2 for r in log)
     saved = [json.loads(x) for x in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
     assert [r["bins_err"] for r in saved] == [r["bins_err"] for r in log]
     args = build_parser().parse_args(
-        ["train", "--steps", "1", "--bin-sigma", "2", "--bin-weight", "4"]
-    )
+        ["train", "--steps", "1", "--bin-sigma", "2", "--bin-weight", "4", "--bin-first", "3",
+         "--bin-noise", "0.2"]
+    )  # fmt: skip
     cfg = train_config(args)
-    assert (cfg.bin_sigma, cfg.bin_weight) == (2.0, 4.0)
-    for bad in (dict(bin_sigma=-1.0), dict(bin_weight=0.0)):
+    assert (cfg.bin_sigma, cfg.bin_weight, cfg.bin_first, cfg.bin_noise) == (2.0, 4.0, 3.0, 0.2)
+    for bad in (dict(bin_sigma=-1.0), dict(bin_weight=0.0), dict(bin_first=0.0),
+                dict(bin_noise=1.0), dict(bin_noise=-0.1)):  # fmt: skip
         with pytest.raises(ValueError, match="bin_"):
             TrainConfig(steps=1, **bad)
+
+
+def test_first_step_weights_fall_on_each_action_samples_first_step():
+    lo, dims = 40, 3
+    # two samples flattened: a text turn (2 targets) then 6 action ids (2 steps of 3 dims),
+    # then an action sample cut after 2 ids, then a text turn
+    targets = torch.tensor([5, 6, lo + 1, lo + 2, lo + 3, lo + 4, lo + 5, lo + 6,
+                            lo + 7, lo + 8, 7, 8])  # fmt: skip
+    starts = torch.tensor([1, 0, 1, 0, 0, 0, 0, 0, 1, 0, 1, 0], dtype=torch.bool)
+    w = first_step_weights(targets, starts, lo, BINS, dims, 4.0)
+    assert w.tolist() == [1, 1, 4, 4, 4, 1, 1, 1, 4, 4, 1, 1]
+    assert torch.equal(first_step_weights(targets, starts, lo, BINS, dims, 1.0), torch.ones(12))
+
+
+def test_noisy_inputs_replace_only_action_ids_with_action_ids_at_the_share():
+    lo = 40
+    ids = torch.cat([torch.arange(30).repeat(40, 1), torch.full((40, 60), lo + 7)], dim=1)
+    gen = torch.Generator().manual_seed(3)
+    out = noisy_inputs(ids, lo, BINS, 0.25, gen)
+    assert torch.equal(out[:, :30], ids[:, :30])  # text ids untouched
+    act = out[:, 30:]
+    assert bool(((act >= lo) & (act < lo + BINS)).all())
+    changed = float((act != lo + 7).float().mean())
+    assert 0.2 < changed < 0.3  # 2,400 draws at 0.25 (x 255/256 that land elsewhere)
+    again = noisy_inputs(ids, lo, BINS, 0.25, torch.Generator().manual_seed(3))
+    assert torch.equal(out, again)  # the generator decides
+    assert noisy_inputs(ids, lo, BINS, 0.0, gen) is ids
