@@ -22,6 +22,7 @@ from embodied_kv.bench.report import device_name, print_table, write_json
 from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.loading import shipped_weights
 from embodied_kv.eval import sanity
+from embodied_kv.eval.choice import choice_accuracy
 from embodied_kv.eval.items import (  # EvalConfig, closed_loop, episode: also imported from here
     ACTION_MODES,
     STAGE_ORDER,
@@ -120,6 +121,7 @@ def evaluate(model, cfg: EvalConfig) -> dict:
     t = time.perf_counter()
     row: dict = closed_loop_stages(runner, cfg)
     row |= question_accuracy(runner, cfg)
+    row |= choice_accuracy(model, cfg)  # forced choice: random weights near chance
     row["where"] = where_accuracy(runner, cfg)
     row |= memory_accuracy(runner, cfg)
     row["seconds"] = time.perf_counter() - t
@@ -137,6 +139,7 @@ def chance() -> dict[str, float]:
     return {
         "qa": float(np.mean(qa)),
         **{f"qa_{k}": questions.CHANCE[k] for k in questions.KINDS},
+        "qa_choice": float(np.mean(qa)),
         "one_hop": memory.CHANCE["one_hop"],
         "two_hop": memory.CHANCE["two_hop"],
         "where": questions.CHANCE["where"],
@@ -209,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = default_weights() if a.weights is None else a.weights
     result = run(weights, a.tokenizer, cfg, oracle=not a.no_oracle)
     print(f"eval world: {cfg.action_mode} actions; weights {weights or 'none (random only)'}")
-    keys = ["success", "qa", *[f"qa_{k}" for k in questions.KINDS], "one_hop", "two_hop",
-            "where"]  # fmt: skip
+    keys = ["success", "qa", *[f"qa_{k}" for k in questions.KINDS], "qa_choice", "one_hop",
+            "two_hop", "where"]  # fmt: skip
     table = [["chance", "-", *[result["chance"].get(k, float("nan")) for k in keys[1:]]]]
     for name, row in result["rows"].items():
         table.append([name, *[row.get(k, float("nan")) for k in keys]])
