@@ -15,10 +15,9 @@ import torch
 from embodied_kv.eval.items import EvalConfig, question_item
 from embodied_kv.train.batch import IGNORE, make_batch
 from embodied_kv.train.forward import backbone_forward, text_logits
-from embodied_kv.world.dataset import Sample, ground_labels, object_centres
-from embodied_kv.world.expert import expert_chunk
+from embodied_kv.world.dataset import DataConfig, Sample, scene_sample
+from embodied_kv.world.expert import expert_action
 from embodied_kv.world.questions import KINDS, WHERE_WORDS
-from embodied_kv.world.render import observation_images, patch_labels
 from embodied_kv.world.vocab import COLOURS, number_word
 
 CANDIDATES = {
@@ -31,17 +30,12 @@ CANDIDATES = {
 
 def candidate_samples(scene, task, question: str, kind: str, model) -> list[Sample]:
     """One `answer` sample per candidate of `kind`: the question as training asks it."""
-    size = model.cfg.vision.image_size
-    patches = patch_labels(scene, size, model.cfg.vision.patch_size)
-    base = dict(
-        images=observation_images(scene, size), state=scene.state(),
-        instruction=task.instruction,
-        actions=expert_chunk(scene, task, model.cfg.action_horizon), kind="answer",
-        patches=patches, ground=ground_labels(patches, task), phase="moves",
-        centres=object_centres(scene, patches),
-    )  # fmt: skip
+    data = DataConfig(image_size=model.cfg.vision.image_size,
+                      patch=model.cfg.vision.patch_size, horizon=model.cfg.action_horizon)
+    _, phase = expert_action(scene, task)
     suffix = f"\nQuestion: {question}\nAnswer: "
-    return [Sample(**base, turns=((suffix, c),)) for c in CANDIDATES[kind]]
+    return [scene_sample(data, scene, task, "answer", ((suffix, c),), phase)
+            for c in CANDIDATES[kind]]  # fmt: skip
 
 
 @torch.no_grad()

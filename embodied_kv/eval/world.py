@@ -135,11 +135,11 @@ def evaluate(model, cfg: EvalConfig) -> dict:
 
 def chance() -> dict[str, float]:
     """What guessing uniformly among an answer kind's candidates scores."""
-    qa = [questions.CHANCE[k] for k in questions.KINDS]
+    qa = float(np.mean([questions.CHANCE[k] for k in questions.KINDS]))
     return {
-        "qa": float(np.mean(qa)),
+        "qa": qa,
         **{f"qa_{k}": questions.CHANCE[k] for k in questions.KINDS},
-        "qa_choice": float(np.mean(qa)),
+        "qa_choice": qa,  # a forced choice among a kind's answers: the same guess
         "one_hop": memory.CHANCE["one_hop"],
         "two_hop": memory.CHANCE["two_hop"],
         "where": questions.CHANCE["where"],

@@ -256,6 +256,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     bar = tqdm(total=cfg.steps or None, initial=run.step, disable=not progress, unit="step",
                dynamic_ncols=True)  # fmt: skip
     step = run.step
+    bins_ids = action_id_range(mcfg)  # (lo, n) of the `bins` ids, for --bin-noise
     first_acc: dict[str, list[int]] = {}  # per kind over the log window: [right, counted]
     answer_acc: dict[str, list[int]] = {}  # the same over whole answers
     stage_err: dict[str, list[float]] = {}  # per task stage over the log window: [sum, n]
@@ -280,8 +281,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
             parts = []
             for b in batches:  # gradients accumulate: the step's loss is the full batch's mean
                 if cfg.bin_noise > 0:
-                    b = replace(b, ids=noisy_inputs(b.ids, *action_id_range(mcfg),
-                                                    cfg.bin_noise, gen))  # fmt: skip
+                    b = replace(b, ids=noisy_inputs(b.ids, *bins_ids, cfg.bin_noise, gen))
                 losses = step_losses(cfg, model, b, gen, head, ground)
                 losses.total.backward()
                 parts.append(losses)

@@ -153,18 +153,27 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
                  for i, q in enumerate(queries)]  # fmt: skip
     elif kind == "narration":
         turns = [("", narrate(phase, task))]
+    return scene_sample(cfg, scene, task, kind, tuple(turns), phase, tuple(names))
+
+
+def scene_sample(cfg: DataConfig, scene: Scene, task: PutTask, kind: str,
+                 turns: tuple[tuple[str, str], ...], phase: str,
+                 names: tuple[tuple[int, str, float, float], ...] = ()) -> Sample:  # fmt: skip
+    """`scene` under `task` rendered as a training sample (images, state, the expert's
+    chunk, the patch targets) with the given text; `phase` the expert's phase there."""
+    patches = patch_labels(scene, cfg.image_size, cfg.patch)
     return Sample(
         images=observation_images(scene, cfg.image_size),
         state=scene.state(),
         instruction=task.instruction,
         actions=expert_chunk(scene, task, cfg.horizon),
         kind=kind,
-        turns=tuple(turns),
-        patches=(patches := patch_labels(scene, cfg.image_size, cfg.patch)),
+        turns=turns,
+        patches=patches,
         ground=ground_labels(patches, task),
         phase=phase,
         centres=object_centres(scene, patches),
-        names=tuple(names),
+        names=names,
     )
 
 
