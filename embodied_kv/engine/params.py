@@ -98,8 +98,8 @@ MEMORY_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("memory.mode", "keep", "keep (memory as cached KV, KEEP) | full (as text)"),
     ParamSpec("memory.window", 10, "KEEP t: updates without a change before a group is static"),
     ParamSpec("memory.group_threshold", 0.9, "cosine to join a group when none is given"),
-    ParamSpec("memory.keep_first_ratio", 0.5, "KEEP r_1: segments recomputed at layer 1"),
-    ParamSpec("memory.keep_last_ratio", 0.2, "KEEP r at the last layer (linear in between)"),
+    ParamSpec("memory.keep_first_ratio", 0.4, "KEEP r_1: segments recomputed at layer 1"),
+    ParamSpec("memory.keep_last_ratio", 0.1, "KEEP r at the last layer (linear in between)"),
     ParamSpec("memory.keep_hops", 3, "KEEP multi-hop rounds (0: the query's attention alone)"),
     ParamSpec("memory.keep_graphs", False, "KEEP's prefill replayed from CUDA graphs (GPU)"),
 )

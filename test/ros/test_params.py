@@ -24,7 +24,7 @@ def test_shipped_config_is_the_world_preset_at_50_hz_and_makes_an_engine_config(
     assert (cfg.preset, cfg.control_hz, cfg.replan_every, cfg.threads) == ("world", 50.0, 5, 1)
     assert cfg.store.disk_dir.endswith("embodied_kv/capsules") and "~" not in cfg.store.disk_dir
     assert cfg.action_mode == "flow" and cfg.ar.kind == "fast" and cfg.ar.max_tokens == 24
-    assert (cfg.keep.first_ratio, cfg.keep.last_ratio, cfg.keep.hops) == (0.5, 0.2, 3)
+    assert (cfg.keep.first_ratio, cfg.keep.last_ratio, cfg.keep.hops) == (0.4, 0.1, 3)
 
 
 def test_nested_mappings_are_dotted_parameter_names(tmp_path):
