@@ -45,7 +45,7 @@ class OpenpiDesignServer:
     async def _handler(self, ws) -> None:
         session = Session()
         await ws.send(wire.pack(self.policy.metadata()))
-        prev_total = None
+        prev: dict[str, float] = {}
         try:
             while True:
                 frame = await ws.recv()
@@ -55,11 +55,14 @@ class OpenpiDesignServer:
                 obs = wire.unpack(frame)
                 t = time.monotonic()
                 action = self.policy.handle(session, obs)  # the event loop waits here
-                action["server_timing"] = {"infer_ms": (time.monotonic() - t) * 1e3}
-                if prev_total is not None:
-                    action["server_timing"]["prev_total_ms"] = prev_total * 1e3
-                await ws.send(wire.pack(action))
-                prev_total = time.monotonic() - start
+                action["server_timing"] = {"infer_ms": (time.monotonic() - t) * 1e3,
+                                           "unpack_ms": (t - start) * 1e3} | prev  # fmt: skip
+                t_pack = time.monotonic()
+                reply = wire.pack(action)
+                packed = time.monotonic()
+                await ws.send(reply)
+                prev = {"prev_total_ms": (time.monotonic() - start) * 1e3,
+                        "prev_pack_ms": (packed - t_pack) * 1e3}  # fmt: skip
         except websockets.ConnectionClosed:
             pass
         finally:

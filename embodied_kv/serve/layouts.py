@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embodied_kv.model.image_input import rgb_to_input
+from embodied_kv.model.image_input import rgbs_to_input
 from embodied_kv.model.vla import Observation
 
 MAX_SIDE = 4096  # pixels: the robot's default image.max_width / max_height (config/robot.yaml)
@@ -87,21 +87,25 @@ def observation(
 ) -> Observation:
     """A request's observation in robot units; ValueError naming the key that is wrong."""
     _check_image_keys(layout, msg)
-    images, present = [], []
+    rgbs, present = [], []
     for i in range(num_cameras):
         path = layout.cameras[i] if i < len(layout.cameras) else None
         raw = None if path is None else _get(msg, path)
         if raw is None and path is not None and i < layout.required:
             raise ValueError(f"{layout.name}: missing camera {'/'.join(path)!r}")
         present.append(raw is not None)
-        images.append(torch.zeros(3, size, size) if raw is None else
-                      rgb_to_input(_rgb(raw, "/".join(path)), size))  # fmt: skip
-    return Observation(
-        torch.stack(images),  # [num_cameras, 3, S, S]
-        _state(layout, msg, state_dim),
-        _prompt(msg, max_prompt),
-        None if all(present) else tuple(present),
-    )
+        if raw is not None:
+            rgbs.append(_rgb(raw, "/".join(path)))
+    state = _state(layout, msg, state_dim)
+    prompt = _prompt(msg, max_prompt)
+    if not rgbs:
+        raise ValueError(f"{layout.name}: no camera image")
+    images = rgbs_to_input(rgbs, size)  # the cameras' frames converted together
+    if not all(present):  # an absent optional camera: zeros, masked
+        full = torch.zeros(num_cameras, 3, size, size)
+        full[torch.tensor(present)] = images
+        images = full
+    return Observation(images, state, prompt, None if all(present) else tuple(present))
 
 
 def _get(msg: dict, path: tuple[str, ...]):

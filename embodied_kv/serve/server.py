@@ -15,9 +15,13 @@ it for the GIL (every torch op hands it over), and on the 2-core CPU running it 
 showed no throughput gain.
 
 server_timing: infer_ms (ServePolicy.handle), queue_ms (the wait for the engine's
-turn), prev_total_ms (the previous request of this connection: frame in hand -> reply
-sent, openpi's). A bad frame gets an error text frame (openpi's client raises
-RuntimeError with it) and the connection stays open; a frame over max_frame_bytes
+turn), unpack_ms (msgpack of this frame), prev_total_ms (the previous request of this
+connection: frame in hand -> reply sent, openpi's) and prev_pack_ms (msgpack of that
+reply): what the server spends beyond the engine, serialisation apart, is
+prev_total_ms - prev_pack_ms - the previous unpack_ms - its action_latency_ms.
+
+A bad frame gets an error text frame (openpi's client raises RuntimeError with it)
+and the connection stays open; a frame over max_frame_bytes
 closes that connection (1009); a closed connection's session leaves the engine's store.
 SIGINT or SIGTERM (or `stop`): stop accepting, close every connection (1001), wait for
 every connection's thread (the frame in flight finishes), return.
@@ -86,7 +90,7 @@ class PolicyServer:
         with self._count:
             self.connections += 1
         self._log(f"session {session.id}: {ws.remote_address} connected")
-        prev_total_ms = None
+        prev: dict[str, float] = {}
         try:
             ws.send(self._metadata)
             for frame in ws:
@@ -99,11 +103,14 @@ class PolicyServer:
                 except Exception as e:  # the engine failed this frame; the others go on
                     ws.send(f"{ERROR_PREFIX}{type(e).__name__}: {e}")
                     continue
-                if prev_total_ms is not None:  # openpi: the previous one, its send included
-                    timing["prev_total_ms"] = prev_total_ms
-                response["server_timing"] = timing
-                ws.send(wire.pack(response))
-                prev_total_ms = (time.perf_counter() - t0) * 1e3
+                # openpi: prev_total_ms is the previous reply's, its send included
+                response["server_timing"] = timing | prev
+                t_pack = time.perf_counter()
+                reply = wire.pack(response)
+                packed = time.perf_counter()
+                ws.send(reply)
+                prev = {"prev_total_ms": (time.perf_counter() - t0) * 1e3,
+                        "prev_pack_ms": (packed - t_pack) * 1e3}  # fmt: skip
         except websockets.ConnectionClosed:
             pass
         finally:
@@ -114,13 +121,15 @@ class PolicyServer:
 
     def _answer(self, session: Session, frame: bytes | str) -> tuple[dict, dict]:
         """One frame -> (response, timing); ValueError: the caller's mistake."""
+        t0 = time.perf_counter()
         msg = wire.unpack(frame)
         t = time.perf_counter()
         with self._turn:  # the conversion too (module docstring)
             turn = time.perf_counter()
             response = self.policy.handle(session, msg)
         done = time.perf_counter()
-        return response, {"infer_ms": (done - turn) * 1e3, "queue_ms": (turn - t) * 1e3}
+        return response, {"infer_ms": (done - turn) * 1e3, "queue_ms": (turn - t) * 1e3,
+                          "unpack_ms": (t - t0) * 1e3}  # fmt: skip
 
 
 def _health_check(connection: ServerConnection, request):

@@ -18,6 +18,8 @@ def test_bench_serve_json(tmp_path, capsys):
     for name in ("ours", "openpi"):
         o = r["overhead"][name]
         assert o["requests"] == 3 and o["rtt_ms"] > o["action_latency_ms"] > 0
+        # the server's own msgpack, timed in place, is what the overhead leaves out
+        assert 0 < o["server_msgpack_in_place_ms"] < o["rtt_ms"] - o["action_latency_ms"]
     assert r["overhead"]["direct"]["requests"] == 3
     assert r["serialisation_ms"]["server"] > 0 and r["serialisation_ms"]["client"] > 0
     rows = {(t["design"], t["clients"]) for t in r["throughput"]}

@@ -1,5 +1,6 @@
 """rgb_to_input (only the rows bilinear reads, uint8 / 255 in one op) gives
-rgb_to_input_ref's bytes: every size, up and down, padded or not, any strides."""
+rgb_to_input_ref's bytes: every size, up and down, padded or not, any strides; and
+rgbs_to_input (a camera's frames through each op together) each image's bytes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from embodied_kv.model.image_input import _rows_read, rgb_to_input, rgb_to_input_ref
+from embodied_kv.model.image_input import (
+    _rows_read,
+    rgb_to_input,
+    rgb_to_input_ref,
+    rgbs_to_input,
+)
 
 SHAPES = [(224, 224), (480, 640), (480, 854), (101, 150), (31, 45), (640, 480), (224, 225),
           (1000, 700), (7, 3), (1, 1), (65, 64), (300, 200)]  # fmt: skip
@@ -51,3 +57,23 @@ def test_a_side_resized_to_nothing_is_refused_as_the_reference_refuses_it():
         rgb_to_input_ref(rgb, 8)
     with pytest.raises(RuntimeError):
         rgb_to_input(rgb, 8)
+
+
+@pytest.mark.parametrize("size", [8, 32, 224])
+@pytest.mark.parametrize("h,w", [(224, 224), (480, 640), (31, 45), (65, 64)])
+def test_frames_together_give_each_frames_bytes(h, w, size):
+    rgbs = [image(h, w, seed) for seed in range(3)]
+    want = torch.stack([rgb_to_input_ref(rgb, size) for rgb in rgbs])
+    got = rgbs_to_input(rgbs, size)
+    assert got.shape == (3, 3, size, size) and got.is_contiguous()  # as torch.stack gives
+    assert torch.equal(got, want)
+    again = rgbs_to_input(rgbs[:2], size)  # the thread's buffer resized, not stale
+    assert torch.equal(again, want[:2]) and torch.equal(rgbs_to_input(rgbs, size), want)
+
+
+def test_frames_of_different_sizes_and_none():
+    rgbs = [image(100, 120, 0), image(224, 224, 1), image(100, 120, 2)]
+    want = torch.stack([rgb_to_input_ref(rgb, 32) for rgb in rgbs])
+    assert torch.equal(rgbs_to_input(rgbs, 32), want)
+    with pytest.raises(ValueError, match="no image"):
+        rgbs_to_input([], 32)

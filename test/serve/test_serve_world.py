@@ -40,7 +40,8 @@ def test_openpi_client_gets_the_engines_chunk(engine, layout, serve_helpers):
         second = client.infer(msg)  # frame 1: other noise
         assert second["actions"].tobytes() == want[1].tobytes()
         assert not np.array_equal(first["actions"], second["actions"])
-        assert "prev_total_ms" in second["server_timing"]
+        timing = second["server_timing"]
+        assert timing["prev_total_ms"] > timing["prev_pack_ms"] > 0 and timing["unpack_ms"] > 0
         reset = client.infer({"command": "reset"})
         assert (reset["command"], reset["frame"]) == ("reset", 0) and "actions" not in reset
         again = client.infer(msg)
