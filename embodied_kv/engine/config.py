@@ -44,9 +44,15 @@ class EngineConfig:
     ar: ActionTokenConfig = field(default_factory=ActionTokenConfig)  # the `ar` tokens
     ar_unified: bool = True  # ar: language decodes join the pipeline's packed step
     compress: CompressConfig = field(default_factory=CompressConfig)  # VL-Cache (language.kv_*)
-    memory_mode: str = "keep"  # plans read memory as cached KV (KEEP) | "full": as text
+    # plans read the memory as text (full recomputation, exact) | "keep": as cached KV
+    # (KEEP; lossy, opt-in: on the world model it lost 13-21 two-hop points through the
+    # engine at 5-40 facts, `bench plan_memory`, docs/keep.md)
+    memory_mode: str = "full"
     memory: MemoryConfig = field(default_factory=MemoryConfig)  # KEEP window t, grouping
     keep: KeepConfig = field(default_factory=KeepConfig)  # KEEP recompute ratios r_i, hops
+    # KEEP from this many memory segments on; a smaller memory's plans are prefilled whole
+    # (exact): at 5 facts KEEP lost 14 two-hop points for no time worth saving (docs/keep.md)
+    keep_min_segments: int = 16
     keep_graphs: bool = False  # KEEP's prefill from CUDA graphs where the engine has graphs
     rtc: RTCConfig = field(default_factory=RTCConfig)  # real-time chunking (flow; docs/rtc.md)
 
@@ -58,6 +64,8 @@ class EngineConfig:
         if self.action_mode == "ar" and self.rtc.enabled:
             raise ValueError("rtc.enabled works with action_mode 'flow' only (it guides the "
                              "action expert's Euler loop)")  # fmt: skip
+        if self.keep_min_segments < 0:
+            raise ValueError(f"keep_min_segments={self.keep_min_segments} must be >= 0")
         if self.memory_mode not in MODES:
             raise ValueError(f"memory_mode={self.memory_mode!r}: use one of {MODES}")
         if self.action_mode == "ar" and self.compress.enabled:  # refused, not ignored

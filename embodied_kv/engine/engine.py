@@ -125,7 +125,8 @@ class Engine:
             self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot, rtc=rtc)
         self.policy = self.loop.policy
         self.memory = SegmentMemory(cfg.memory, embedder(self.model))
-        self.planner = MemoryPlanner(self.model, self.memory, cfg.memory_mode, cfg.keep)
+        self.planner = MemoryPlanner(self.model, self.memory, cfg.memory_mode, cfg.keep,
+                                     cfg.keep_min_segments)  # fmt: skip
         self.loop.planner = self.planner
         self.store = CapsuleStore(cfg.store, self.model.device)
         self.ended = EndedRequests(self.store)  # ids a restore must never bring back

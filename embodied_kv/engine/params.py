@@ -95,12 +95,14 @@ ACTION_MODE_PARAMS: tuple[ParamSpec, ...] = (
 )
 # The planner's memory (docs/keep.md): cached KV with selective recomputation, or text.
 MEMORY_PARAMS: tuple[ParamSpec, ...] = (
-    ParamSpec("memory.mode", "keep", "keep (memory as cached KV, KEEP) | full (as text)"),
+    ParamSpec("memory.mode", "full", "full (memory as text, exact) | keep (as cached KV, KEEP)"),
     ParamSpec("memory.window", 10, "KEEP t: updates without a change before a group is static"),
     ParamSpec("memory.group_threshold", 0.9, "cosine to join a group when none is given"),
     ParamSpec("memory.keep_first_ratio", 0.4, "KEEP r_1: segments recomputed at layer 1"),
     ParamSpec("memory.keep_last_ratio", 0.1, "KEEP r at the last layer (linear in between)"),
     ParamSpec("memory.keep_hops", 3, "KEEP multi-hop rounds (0: the query's attention alone)"),
+    ParamSpec("memory.keep_min_segments", 16,
+              "KEEP from this many memory segments; a smaller memory is prefilled whole"),
     ParamSpec("memory.keep_graphs", False, "KEEP's prefill replayed from CUDA graphs (GPU)"),
 )
 # Real-time chunking (docs/rtc.md): each chunk guided towards the one still executing.
@@ -181,6 +183,7 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
             hops=_int(get, "memory.keep_hops"),
         ),
         keep_graphs=_bool(get, "memory.keep_graphs"),
+        keep_min_segments=_int(get, "memory.keep_min_segments"),
         rtc=RTCConfig(
             enabled=_bool(get, "rtc.enabled"),
             max_guidance=_float(get, "rtc.max_guidance"),

@@ -6,7 +6,10 @@ request's text is the memory's prompt (`\\nFacts: s1 s2 ...\\nQuery: goal\\nAnsw
 the world model's trained format). At admission:
 
 * `full`: the text is appended and prefilled whole (full recomputation);
-* `keep`: if the text is still the memory's prompt for its goal, the missing blocks
+* `keep`: a memory of fewer than `min_segments` segments is prefilled whole, as in
+  `full` (exact; on a few facts KEEP's approximation costs answers and saves no time
+  worth having: docs/keep.md); else, if the text is still the memory's prompt for its
+  goal, the missing blocks
   are computed (a free slot as the work slot), then the selective prefill places the
   blocks and recomputes what KEEP selects (over a prefix VL-Cache compressed too: each
   layer's cached rows go to that layer's own offset); otherwise (the memory changed
@@ -43,13 +46,17 @@ def embedder(model: VLA) -> Callable[[str], torch.Tensor]:
 
 class MemoryPlanner:
     def __init__(self, model: VLA, memory: SegmentMemory, mode: str = "keep",
-                 keep_cfg: KeepConfig | None = None):  # fmt: skip
+                 keep_cfg: KeepConfig | None = None, min_segments: int = 0):  # fmt: skip
         if mode not in MODES:
             raise ValueError(f"memory mode {mode!r}: use one of {MODES}")
+        if min_segments < 0:
+            raise ValueError(f"min_segments={min_segments} must be >= 0")
         self.model, self.memory, self.mode = model, memory, mode
         self.keep_cfg = keep_cfg or KeepConfig()
+        self.min_segments = min_segments
         self.method = keep(self.keep_cfg)
         self.fallbacks = 0  # KEEP plans prefilled whole (memory changed, no work slot)
+        self.small = 0  # plans prefilled whole: the memory under min_segments
         self.runner: GraphRunner | None = None  # blocks computed from its step graphs
 
     def use_graphs(self, runner: GraphRunner) -> None:
@@ -62,6 +69,9 @@ class MemoryPlanner:
         """For a plan request's text: a function slot -> logits that prefills it with
         KEEP, or None (prefill the text whole)."""
         if self.mode != "keep":
+            return None
+        if sum(len(u.texts) for u in self.memory.units()) < self.min_segments:
+            self.small += 1
             return None
         goal = self._goal(text)
         if goal is None:

@@ -76,7 +76,8 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
         DiagnosticStatus.OK,
         f"{memory['segments']} segments, {memory['static_groups']}/{memory['groups']} groups "
         f"static ({cfg.memory_mode})",
-        {**memory, "mode": cfg.memory_mode, "keep_fallbacks": engine.planner.fallbacks},
+        {**memory, "mode": cfg.memory_mode, "keep_fallbacks": engine.planner.fallbacks,
+         "keep_small_memory": engine.planner.small},
     )
 
     store = engine.store

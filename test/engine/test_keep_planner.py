@@ -21,6 +21,8 @@ FACTS = [
 
 
 def make_engine(model, mode="keep", **kw):
+    """KEEP at any memory size (keep_min_segments 0) unless a test says otherwise."""
+    kw = {"keep_min_segments": 0, **kw}
     cfg = EngineConfig(control_hz=0.001, answer_tokens=6, history=0, request_tokens=256,
                        memory_mode=mode, memory=MemoryConfig(window=3), **kw)  # fmt: skip
     engine = Engine(cfg, model=model)
@@ -51,6 +53,24 @@ def test_keep_recomputing_everything_plans_the_same_tokens_as_full(tiny_model):
     assert everything.planner.fallbacks == 0 and everything.memory.blocks  # read as KV
     active = everything.planner.method.stats.active
     assert active == [active[0]] * layers  # every token at every layer: the ratios arrived
+
+
+def test_a_memory_under_keep_min_segments_is_prefilled_whole(tiny_model):
+    """The default engine config: four facts are under keep_min_segments (16), so a plan
+    reads them as text, as `full` does (the same tokens, no block computed); from the
+    threshold on KEEP reads them as cached KV."""
+    assert EngineConfig().keep_min_segments == 16 and len(FACTS) < 16
+    full = make_engine(tiny_model, "full")
+    small = make_engine(tiny_model, keep_min_segments=16)
+    a, b = plan(full), plan(small)
+    assert a.status is b.status is Status.OK and a.text == b.text
+    assert small.planner.small == 1 and small.planner.fallbacks == 0
+    assert not small.memory.blocks and small.memory.counters.computed_segments == 0
+    at = make_engine(tiny_model, keep_min_segments=len(FACTS))
+    assert plan(at).status is Status.OK
+    assert at.planner.small == 0 and at.memory.blocks  # KEEP: the facts as cached KV
+    with pytest.raises(ValueError, match="keep_min_segments"):
+        EngineConfig(keep_min_segments=-1)
 
 
 def test_default_keep_plans_from_cached_blocks_after_updates(tiny_model):
@@ -103,7 +123,8 @@ def test_keep_graphs_in_the_engine_plan_what_eager_keep_plans(tiny_model):
     texts = []
     for mode, graphs in (("off", False), ("emulate", True)):
         cfg = EngineConfig(control_hz=0.001, answer_tokens=6, history=0, request_tokens=256,
-                           memory=MemoryConfig(window=3), keep_graphs=graphs)  # fmt: skip
+                           memory=MemoryConfig(window=3), keep_graphs=graphs,
+                           memory_mode="keep", keep_min_segments=0)  # fmt: skip
         engine = Engine(cfg, model=tiny_model, graph_mode=mode)
         try:
             engine.begin_episode()

@@ -25,6 +25,7 @@ def test_shipped_config_is_the_world_preset_at_50_hz_and_makes_an_engine_config(
     assert cfg.store.disk_dir.endswith("embodied_kv/capsules") and "~" not in cfg.store.disk_dir
     assert cfg.action_mode == "flow" and cfg.ar.kind == "fast" and cfg.ar.max_tokens == 24
     assert (cfg.keep.first_ratio, cfg.keep.last_ratio, cfg.keep.hops) == (0.4, 0.1, 3)
+    assert cfg.keep_min_segments == 16 and cfg.memory_mode == "full"
 
 
 def test_nested_mappings_are_dotted_parameter_names(tmp_path):

@@ -65,6 +65,7 @@ CONFIG = f"""
     joint_names: [{", ".join(JOINTS)}]
     language: {{narrate_every: 0, answer_tokens: 48, max_decode_steps: 6}}
     capsules: {{disk_dir: "{{disk}}", history: 8}}
+    memory: {{mode: keep, keep_min_segments: 0}}  # KEEP (opt-in) through the ROS nodes
 prefill:
   ros__parameters:
     cameras: [front, "wrist::compressed"]  # wrist: CompressedImage on .../image_raw/compressed

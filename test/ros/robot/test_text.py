@@ -64,7 +64,7 @@ def test_plan_request_decodes_a_plan_from_the_memory(robot):
         "the plan request's log line",
     )
 
-    def memory_kv():  # KEEP by default: the plan read the memory as cached blocks
+    def memory_kv():  # KEEP, as this robot's config asks: the plan read cached blocks
         status = {s.name: {kv.key: kv.value for kv in s.values}
                   for s in robot.diagnostics.status} if robot.diagnostics else {}  # fmt: skip
         memory = status.get("embodied_kv: planner memory", {})
