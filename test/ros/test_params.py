@@ -46,6 +46,8 @@ def test_nested_mappings_are_dotted_parameter_names(tmp_path):
         ("ar.tokenizer", "vq", "use 'bins' or 'fast'"),
         ("memory.keep_last_ratio", 1.5, "ratios must be in \\[0, 1\\]"),
         ("memory.keep_hops", -1, "hops >= 0"),
+        ("memory.keep_min_segments", -1, "keep_min_segments=-1 must be >= 0"),
+        ("memory.mode", "cached", "memory_mode='cached': use one of"),
     ],
 )
 def test_bad_engine_parameters_are_value_errors_naming_them(name, value, complaint):
