@@ -33,14 +33,17 @@ def rgbs_to_input(rgbs: list[np.ndarray], size: int) -> torch.Tensor:
     Faster, the same values. Few calls: images of one geometry go through each op
     together (one bilinear, one add, one clamp for a camera's frames), because on a
     CPU whose caches the model has just flushed every call costs tens of microseconds
-    whatever its size. Per image one numpy op: uint8 / 255 into the thread's float
-    buffer (no float copy first; division is correctly rounded in torch and numpy
-    alike), over only the rows the bilinear kernel reads (`_rows_read`) when they form
-    a slab of equal steps, else every row. Torch's bilinear kernel as F.interpolate
-    calls it, without its Python checks, writing into the output (padding around it);
-    clamp, * 2 and - 1 as one add and one clamp in place."""
+    whatever its size. Per image, uint8 / 255 straight into the thread's float buffer
+    (no float copy first; division is correctly rounded in torch and numpy alike), and
+    when resizing only over the source rows the bilinear kernel reads (`_rows_read`).
+    Torch's bilinear kernel as F.interpolate calls it, without its Python checks,
+    writing into the output (padding around it); clamp, * 2 and - 1 as one add and one
+    clamp in place."""
     if not rgbs:
         raise ValueError("no image to convert")
+    if any(rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 for rgb in rgbs):
+        raise ValueError(f"images must be [H, W, 3] uint8, got "
+                         f"{[(r.shape, str(r.dtype)) for r in rgbs]}")  # fmt: skip
     shapes = {rgb.shape[:2] for rgb in rgbs}
     if len(shapes) > 1:  # cameras of different sizes: one group each
         return torch.cat([rgbs_to_input([rgb], size) for rgb in rgbs])

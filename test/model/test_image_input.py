@@ -77,3 +77,5 @@ def test_frames_of_different_sizes_and_none():
     assert torch.equal(rgbs_to_input(rgbs, 32), want)
     with pytest.raises(ValueError, match="no image"):
         rgbs_to_input([], 32)
+    with pytest.raises(ValueError, match="uint8"):
+        rgbs_to_input([rgbs[0].astype(np.int64)], 32)
