@@ -64,8 +64,8 @@ def engine_for(mode: str, device: str, model=None) -> Engine:
 
 
 def ask(engine: Engine, facts: tuple[str, ...], query: str, obs) -> tuple[str, float, float]:
-    """The facts as the memory (the last query's removed), then the plan twice -> (its
-    answer, cold ms, warm ms)."""
+    """The facts as the memory (reset to episode_start empties the last query's), then the
+    plan twice -> (its answer, cold ms, warm ms)."""
     engine.reset()  # episode_start: an empty memory
     for i, fact in enumerate(facts):
         engine.update_memory(MemoryOp.ADD, f"fact-{i}", fact, len(facts))
