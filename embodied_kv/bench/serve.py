@@ -13,7 +13,8 @@ how many actions per second several clients get, beside openpi's own server desi
                 ~0.13 ms). Also against the same frame handled by a direct call
                 (ServePolicy.handle, no socket): the socket path alone. Goal: <= 0.5 ms
                 (the issue's, on this CPU).
-    throughput  N = 1, 2, 4 clients, back to back for a fixed time -> actions/s, for
+    throughput  N = 1, 2, 4 clients, back to back for a fixed time (in rounds, the
+                designs' order rotating, as the overhead rounds) -> actions/s, for
                 ours (one engine, N connections), openpi's design with one server and N
                 clients (the event loop blocked during inference, openpi #717), and
                 openpi's scaling answer, one server with its own model per client.
@@ -58,7 +59,7 @@ def parse(argv) -> argparse.Namespace:
                    help="tiny (random weights, fast) or world (the shipped weights)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="< 60 s on a 2-core CPU")
     p.add_argument("--json", metavar="PATH", help="write the result (and its environment) here")
-    p.add_argument("--rounds", type=int, help="overhead rounds (default 5; quick 3)")
+    p.add_argument("--rounds", type=int, help="overhead and throughput rounds (default 5; quick 3)")
     p.add_argument("--requests", type=int, help="requests per design a round (20; quick 12)")
     p.add_argument("--seconds", type=float, help="per throughput row (5; quick 1.5)")
     args = p.parse_args(argv)
@@ -122,19 +123,22 @@ def overhead(pool, ports: dict[str, int], policy: ServePolicy, msg: dict, rounds
     return rows
 
 
-def throughput(pool, servers: dict, msg: dict, seconds: float) -> list[dict]:
-    """servers: design -> (N -> the ports its N clients use)."""
+def throughput(pool, servers: dict, msg: dict, seconds: float, rounds: int) -> list[dict]:
+    """servers: design -> (N -> the ports its N clients use). Per N, `rounds` rounds of
+    seconds / rounds per design, the designs' order rotating each round (as the harness
+    interleaves repeats), so a slow spell of a shared machine falls on every design."""
     out = []
+    window = seconds / rounds
     for n in CLIENTS:
-        for design, ports_for in servers.items():
-            ports = ports_for(n)
-            if ports is None:
-                continue
-            start_at = time.time() + 0.5 + 0.15 * n  # every client connected and warm first
-            futures = [pool.submit(serve_clients.for_seconds, port, msg, start_at, seconds)
-                       for port in ports]  # fmt: skip
-            chunks = sum(f.result() for f in futures)
-            out.append({"design": design, "clients": n, "chunks_per_s": chunks / seconds})
+        designs = [d for d, ports_for in servers.items() if ports_for(n) is not None]
+        chunks = dict.fromkeys(designs, 0)
+        for r in range(rounds):
+            for design in designs[r % len(designs) :] + designs[: r % len(designs)]:
+                start_at = time.time() + 0.5 + 0.15 * n  # every client connected and warm first
+                futures = [pool.submit(serve_clients.for_seconds, port, msg, start_at, window)
+                           for port in servers[design](n)]  # fmt: skip
+                chunks[design] += sum(f.result() for f in futures)
+        out += [{"design": d, "clients": n, "chunks_per_s": chunks[d] / seconds} for d in designs]
     return out
 
 
@@ -169,7 +173,7 @@ def main(argv=None) -> int:
             "openpi, one server": lambda n: [openpi[0].port] * n,
             "openpi, a server per client": lambda n: None if n == 1 else
                 [s.port for s in openpi[:n]],
-        }, msg, seconds)  # fmt: skip
+        }, msg, seconds, rounds)  # fmt: skip
     finally:
         ours.stop()
         for s in openpi:
