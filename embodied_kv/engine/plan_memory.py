@@ -70,7 +70,7 @@ class MemoryPlanner:
         KEEP, or None (prefill the text whole)."""
         if self.mode != "keep":
             return None
-        if sum(len(u.texts) for u in self.memory.units()) < self.min_segments:
+        if len(self.memory) < self.min_segments:  # segments
             self.small += 1
             return None
         goal = self._goal(text)

@@ -98,8 +98,6 @@ def observation(
             rgbs.append(_rgb(raw, "/".join(path)))
     state = _state(layout, msg, state_dim)
     prompt = _prompt(msg, max_prompt)
-    if not rgbs:
-        raise ValueError(f"{layout.name}: no camera image")
     images = rgbs_to_input(rgbs, size)  # the cameras' frames converted together
     if not all(present):  # an absent optional camera: zeros, masked
         full = torch.zeros(num_cameras, 3, size, size)

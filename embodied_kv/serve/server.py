@@ -21,8 +21,8 @@ reply): what the server spends beyond the engine, serialisation apart, is
 prev_total_ms - prev_pack_ms - the previous unpack_ms - its action_latency_ms.
 
 A bad frame gets an error text frame (openpi's client raises RuntimeError with it)
-and the connection stays open; a frame over max_frame_bytes
-closes that connection (1009); a closed connection's session leaves the engine's store.
+and the connection stays open; a frame over max_frame_bytes closes that connection
+(1009); a closed connection's session leaves the engine's store.
 SIGINT or SIGTERM (or `stop`): stop accepting, close every connection (1001), wait for
 every connection's thread (the frame in flight finishes), return.
 """
