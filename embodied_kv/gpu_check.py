@@ -4,7 +4,12 @@
     2. the whole test suite (the graph replay tests then run in "cuda" mode too; the ROS
        tests skip, each with its reason, where rclpy is not installed);
     3. `bench latency`, `step`, `oxygen`, `capsule`, `keep` at --preset pi05 --device cuda
-       (keep: random pi05 weights, TTFT only).
+       (keep: random pi05 weights, TTFT only);
+    4. `lerobot`: `bench latency --peer lerobot`, LeRobot's PI05Policy beside ours in one
+       process, eager, then under torch.compile (mode PEER_COMPILE), each a step of its own
+       with its own time limit. It needs LeRobot's wheels carried to the machine
+       (scripts/peer_wheels.sh; scripts/gpu_check.sh installs them into a folder that only
+       these steps read, EMBODIED_KV_PEER_SITE); without them the step says so and is skipped.
 
 Everything lands in bench/results/<date>-<gpu>/: env.json (device, driver, CUDA, torch,
 triton, Python, date, commit), pytest.txt, <bench>.json and <bench>.txt, summary.json
@@ -41,7 +46,13 @@ import torch
 from embodied_kv.bench import mechanisms
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("latency", "step", "oxygen", "capsule", "keep")
+BENCHES = ("latency", "step", "oxygen", "capsule", "keep", "lerobot")
+PEER_COMPILE = "default"  # LeRobot's own default, max-autotune, autotunes for many minutes
+PEER_STEPS = {  # step -> `bench latency` arguments beyond --preset pi05 --device cuda
+    "latency_lerobot": ["--peer", "lerobot"],
+    "latency_lerobot_compiled": ["--peer", "lerobot", "--peer-compile", PEER_COMPILE],
+}
+PEER_TIMEOUT_S = 300  # each peer step, where --timeout gives none
 # module -> PyPI name: what the tests and benchmarks import besides torch (no ROS)
 REQUIRED = {
     "numpy": "numpy",
@@ -99,11 +110,13 @@ def missing_modules() -> list[str]:
     return [pypi for mod, pypi in REQUIRED.items() if importlib.util.find_spec(mod) is None]
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float = 0) -> tuple[int, float]:
+def run_logged(
+    cmd: list[str], log: Path, timeout: float = 0, env: dict | None = None
+) -> tuple[int, float]:
     """Run cmd in the repository root, its output both shown and kept in `log` as it comes;
     past `timeout` seconds (0: none) it is killed and its status is 124 (as timeout(1))."""
     t = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**(env or os.environ), "PYTHONUNBUFFERED": "1"}
     with log.open("w") as f, subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     ) as proc:
@@ -167,16 +180,48 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tests:
         cmd = [sys.executable, "-m", "pytest", "-q", *args.pytest_args.split()]
         steps["pytest"] = run_logged(cmd, out / "pytest.txt", args.timeout)
+    notes = {}
     for name in [n for n in args.only.split(",") if n]:  # --only= : the tests alone
+        if name == "lerobot":
+            notes.update(peer_steps(args, out, steps))
+            continue
         cmd = [sys.executable, "-m", "embodied_kv.cli", "bench", name, "--preset", "pi05"]
         cmd += ["--device", "cuda", "--json", str(out / f"{name}.json"), *args.bench_args.split()]
         steps[f"bench {name}"] = run_logged(cmd, out / f"{name}.txt", args.timeout)
     summary = {k: {"returncode": rc, "seconds": s} for k, (rc, s) in steps.items()}
+    for k, note in notes.items():
+        summary.setdefault(k, {"returncode": None, "seconds": 0})["note"] = note
     write_json(out / "summary.json", {"env": env, "steps": summary})
+    for k, note in notes.items():
+        print(f"gpu-check: {k}: {note}")
     failed = [k for k, (rc, _) in steps.items() if rc != 0]
+    failed += [k for k in notes if k in steps and steps[k][0] == 0]  # ran, LeRobot did not
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
     print(f"gpu-check: results in {out}; {verdict}")
     return 1 if failed else 0
+
+
+def peer_steps(args: argparse.Namespace, out: Path, steps: dict) -> dict[str, str]:
+    """LeRobot's steps (PEER_STEPS) into `steps`, each with LeRobot's own folder first on
+    its path -> {step: why LeRobot was not measured} (skipped, or its JSON says so)."""
+    site = os.environ.get("EMBODIED_KV_PEER_SITE")
+    if not site:
+        why = ("skipped: no LeRobot wheels on this machine (scripts/peer_wheels.sh here, then "
+               "carry .peer_wheels to the device; docs/gpu.md)")  # fmt: skip
+        return dict.fromkeys(PEER_STEPS, why)
+    path = [str(ROOT), site, *[p for p in os.environ.get("PYTHONPATH", "").split(":") if p]]
+    env = {**os.environ, "PYTHONPATH": ":".join(dict.fromkeys(path))}
+    notes = {}
+    for name, extra in PEER_STEPS.items():
+        cmd = [sys.executable, "-m", "embodied_kv.cli", "bench", "latency", "--preset", "pi05",
+               "--device", "cuda", "--json", str(out / f"{name}.json"), *extra,
+               *args.bench_args.split()]  # fmt: skip
+        steps[name] = run_logged(cmd, out / f"{name}.txt", args.timeout or PEER_TIMEOUT_S, env)
+        if steps[name][0] == 0:
+            peer = json.loads((out / f"{name}.json").read_text()).get("peer") or {}
+            if peer.get("unavailable"):
+                notes[name] = f"LeRobot not measured: {peer['unavailable']}"
+    return notes
 
 
 def run_inline(cli_argv: list[str], log: Path) -> tuple[int, float]:

@@ -22,4 +22,16 @@ if [ -z "$py" ]; then
   exit 2
 fi
 cd "$ROOT"
+# LeRobot's wheels, where a device call carried them (scripts/peer_wheels.sh): installed into
+# a folder of their own, read only by the peer's steps (transformers 5.5 there, the machine's
+# own elsewhere)
+if ls "$ROOT"/.peer_wheels/lerobot-*.whl >/dev/null 2>&1; then
+  site=${TMPDIR:-/tmp}/embodied_kv_peer_site
+  if "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
+      "$ROOT"/.peer_wheels/*.whl; then
+    export EMBODIED_KV_PEER_SITE=$site
+  else
+    echo "gpu-check: the wheels in .peer_wheels/ did not install; LeRobot's steps are skipped" >&2
+  fi
+fi
 exec env PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$py" -m embodied_kv.cli gpu-check "$@"

@@ -21,6 +21,11 @@ the one of the prefix rows it measured (`limit_ms`, `graphs_over_limit`: what th
 quotes, goal <= 1.5x) and the one of the published 48-text-token prompt (`limit_48_text_ms`,
 `graphs_over_limit_48_text`); a byte-level prompt makes the measured prefix longer.
 
+--peer lerobot: LeRobot's `PI05Policy` (the pinned release, bench/lerobot_peer.py) at the
+same dims, weights and prefix, `predict_action_chunk` timed in the same rounds (eager; with
+--peer-compile MODE also under its `torch.compile` option), and its chunk against ours for
+the same noise. Where LeRobot cannot be imported the result says why and the rest runs.
+
 --breakdown: afterwards, a separate pass over the graphs engine times each region of the
 action (vision, prefix embedding, prefill, denoise, host): bench/latency_breakdown.py.
 """
@@ -30,10 +35,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import torch
 
-from embodied_kv.bench import harness, latency_breakdown, limit
+from embodied_kv.bench import harness, latency_breakdown, lerobot_peer, limit
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
@@ -75,14 +81,24 @@ def limit_fields(cams: int, prefix_len: int, graphs_ms: float | None) -> dict:
     }  # fmt: skip
 
 
-def measure(model, engines: dict[str, Engine], cams: int, warmup: int, repeats: int) -> dict:
-    """action_s samples (ms) per engine for observations with `cams` cameras present."""
-    samples = {name: [] for name in engines}
+def measure(
+    model, engines: dict[str, Engine], cams: int, warmup: int, repeats: int, peers=None
+) -> dict:
+    """action_s samples (ms) per engine, and per peer (lerobot_peer.LeRobotPeer: its
+    `predict_action_chunk`), for observations with `cams` cameras present; the order
+    rotates every round."""
+    peers = peers or {}
+    samples = {name: [] for name in [*engines, *peers]}
     prefix = None
     for r in range(warmup + repeats):
         obs = observation(model.cfg, cams, 1000 * cams + r)
-        names = list(engines)
+        names = list(samples)
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name in peers:
+                ms = peers[name].act_ms(peers[name].batch(obs))
+                if r >= warmup:
+                    samples[name].append(ms)
+                continue
             engine = engines[name]
             model.graphs = engine.graphs  # the engines share the model (and its weights)
             model.expert.fused_layer_step = name != "graphs_unfused"
@@ -118,8 +134,15 @@ def run(args, env: harness.Environment) -> dict:
     repeats = args.repeats or (10 if args.quick else 40)
     cams_list = [c for c in range(1, cfg.num_cameras + 1) if args.preset != "pi05" or c >= 2]
     rows = []
+    peer_reason = lerobot_peer.why_not(cfg) if args.peer else None
+    peers, peer_build = {}, {}
+    if args.peer and peer_reason is None:
+        peers, peer_build = build_peers(model, cams_list[0], args.peer_compile, env)
     for cams in cams_list:
-        m = measure(model, engines, cams, warmup=2, repeats=repeats)
+        peer_fields = {}
+        if peers:
+            peer_fields = peer_row(peers, cams, model)
+        m = measure(model, engines, cams, warmup=2, repeats=repeats, peers=peers)
         harness.progress(env, f"{cams} cameras measured")
         g, e = m["samples"]["graphs"], m["samples"]["eager"]
         real = args.preset == "pi05" and args.device == "cuda" and not args.layers
@@ -135,6 +158,11 @@ def run(args, env: harness.Environment) -> dict:
             u = m["samples"]["graphs_unfused"]
             rows[-1] |= {"graphs_unfused_ms": harness.Stats.of(u).as_dict(),
                          "unfused_over_fused": harness.ratio(u, g)}  # fmt: skip
+        for name in peers:
+            p = m["samples"][name]
+            rows[-1] |= {f"{name}_ms": harness.Stats.of(p).as_dict(),
+                         f"{name}_over_graphs": harness.ratio(p, g)}  # fmt: skip
+        rows[-1] |= peer_fields
         if args.rtc:
             r = m["samples"]["graphs_rtc"]
             rows[-1] |= {"rtc": args.rtc, "graphs_rtc_ms": harness.Stats.of(r).as_dict(),
@@ -148,10 +176,42 @@ def run(args, env: harness.Environment) -> dict:
             harness.progress(env, f"{cams} cameras broken down")
     model.graphs = None
     model.expert.fused_layer_step = True
+    peer = None
+    if args.peer:
+        peer = {"name": args.peer, "pinned": lerobot_peer.PINNED, "unavailable": peer_reason,
+                "compile_mode": args.peer_compile, **peer_build}  # fmt: skip
+    peers.clear()
     return {
         "benchmark": "latency", "preset": args.preset, "dtype": str(dtype).split(".")[-1],
         "graph_mode": mode, "repeats": repeats, "rows": rows, "goal_x_limit": GOAL_X_LIMIT,
+        "peer": peer,
     }  # fmt: skip
+
+
+def build_peers(model, cams: int, compile_mode: str | None, env) -> tuple[dict, dict]:
+    """LeRobot's policies (eager; compiled with `compile_mode`), built once for the run ->
+    (peers, the seconds each build and the compiled one's first call took)."""
+    t = time.perf_counter()
+    peers = {"lerobot": lerobot_peer.LeRobotPeer(model, cams)}
+    took = {"build_s": round(time.perf_counter() - t, 1), "built_on": peers["lerobot"].built_on}
+    if compile_mode:
+        compiled = lerobot_peer.LeRobotPeer(model, cams, compile_mode)
+        t = time.perf_counter()
+        compiled.act_ms(compiled.batch(observation(model.cfg, cams, 8)))  # compiles
+        took["compiled_first_call_s"] = round(time.perf_counter() - t, 1)
+        peers["lerobot_compiled"] = compiled
+    harness.progress(env, "LeRobot's PI05Policy built")
+    return peers, took
+
+
+def peer_row(peers: dict, cams: int, model) -> dict:
+    """The peers set to `cams` cameras; the row's fields measured once: LeRobot's prefix
+    rows and its chunk against ours for the same observation and noise."""
+    for p in peers.values():
+        p.set_cameras(cams)
+    eager = peers["lerobot"]
+    return {"lerobot_prefix_rows": eager.prefix_rows(),
+            "lerobot_vs_ours": lerobot_peer.agreement(eager, observation(model.cfg, cams, 9))}
 
 
 def report(result: dict) -> None:
@@ -199,7 +259,32 @@ def report(result: dict) -> None:
             print(f"{r['cameras']} cameras: RTC ({r['rtc']}) from its graph "
                   f"{r['graphs_rtc_ms']['median']:.2f} ms = {r['rtc_over_graphs']:.2f}x the "
                   "plain graphs path")  # fmt: skip
+    report_peer(result)
     latency_breakdown.report(rows)
+
+
+def report_peer(result: dict) -> None:
+    """LeRobot's rows (bench/lerobot_peer.py), and LOSS where it is faster than our graphs."""
+    peer = result.get("peer")
+    if not peer:
+        return
+    if peer["unavailable"]:
+        print(f"peer LeRobot {peer['pinned']}: not measured: {peer['unavailable']}")
+        return
+    for r in result["rows"]:
+        for name in ("lerobot", "lerobot_compiled"):
+            if f"{name}_ms" not in r:
+                continue
+            ratio = r[f"{name}_over_graphs"]
+            what = "eager" if name == "lerobot" else f"torch.compile {peer['compile_mode']}"
+            print(f"{r['cameras']} cameras: LeRobot {peer['pinned']} PI05Policy ({what}, "
+                  f"{r['lerobot_prefix_rows']} prefix rows) {r[f'{name}_ms']['median']:.2f} ms = "
+                  f"{ratio:.2f}x our graphs path"
+                  + ("  LOSS: LeRobot is faster" if ratio < 1 else ""))  # fmt: skip
+        if "lerobot_vs_ours" in r:
+            a = r["lerobot_vs_ours"]
+            print(f"{r['cameras']} cameras: LeRobot's chunk vs ours, same weights and noise: max "
+                  f"|diff| {a['max_abs_diff']:.3g} (our chunk's rms {a['chunk_rms']:.3g})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also an engine with real-time chunking (this guidance): its own row",
     )
+    p.add_argument("--peer", choices=["lerobot"], default=None,
+                   help="also time LeRobot's PI05Policy (pinned, bench/lerobot_peer.py) in the "
+                   "same rounds (needs lerobot importable: Python >= 3.12, docs/gpu.md)")
+    p.add_argument("--peer-compile", metavar="MODE", default=None,
+                   help="and LeRobot's policy under torch.compile with this mode (its "
+                   "compile_model option), e.g. default or max-autotune")  # fmt: skip
     args = harness.parse(p, argv)
+    if args.peer_compile and not args.peer:
+        p.error("--peer-compile needs --peer lerobot")
     env = harness.Environment.start(args, argv)
     result = run(args, env)
     report(result)

@@ -230,22 +230,21 @@ def load_pi05_checkpoint(model, path: str | Path) -> LoadReport:
     )
 
 
-def save_in_lerobot_layout(
+def lerobot_state_dict(
     model,
-    path: str | Path,
     *,
     prefix: bool = True,
     old_time_names: bool = False,
     head: str = "embed",
     dtype: torch.dtype | None = None,
-    extra: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Write `model` as a LeRobot-layout safetensors file (tests; exporting a fine-tune).
+) -> dict[str, torch.Tensor]:
+    """`model`'s tensors under LeRobot's names (what `save_in_lerobot_layout` writes; what
+    LeRobot's `PI05Policy.load_state_dict` takes with prefix=True).
 
     prefix: keys start with `model.` (LeRobot) or not (openpi-converted);
     old_time_names: `action_time_mlp_*`; head: the tied embedding stored as
     "embed" (embed_tokens), "lm_head" or "both"; dtype: e.g. torch.bfloat16 as
-    released; extra: more tensors, by their full stored name."""
+    released."""
     if head not in ("embed", "lm_head", "both"):
         raise ValueError(f"head={head!r}: use 'embed', 'lm_head' or 'both'")
     pre = LEROBOT_PREFIX if prefix else ""
@@ -263,5 +262,23 @@ def save_in_lerobot_layout(
             if head == "lm_head":
                 continue
         out[pre + theirs] = t
+    return out
+
+
+def save_in_lerobot_layout(
+    model,
+    path: str | Path,
+    *,
+    prefix: bool = True,
+    old_time_names: bool = False,
+    head: str = "embed",
+    dtype: torch.dtype | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write `model` as a LeRobot-layout safetensors file (tests; exporting a fine-tune):
+    `lerobot_state_dict`'s tensors, plus `extra` (more tensors, by their full stored name)."""
+    out = lerobot_state_dict(
+        model, prefix=prefix, old_time_names=old_time_names, head=head, dtype=dtype
+    )
     out.update(extra or {})
     atomic_save(out, Path(path), {"format": "pt"})

@@ -30,7 +30,10 @@ class VisionEncoder(nn.Module):
             layer_norm_eps=1e-6,
         )
         hf._attn_implementation = "eager"
-        self.tower = SiglipVisionModel(hf)
+        # transformers < 5.6 wraps the layers in `.vision_model` (LeRobot 0.6.1 pins 5.4-5.5);
+        # later ones hold them directly: the same module, so the same parameter names
+        model = SiglipVisionModel(hf)
+        self.tower = getattr(model, "vision_model", model)
         self.projector = nn.Linear(cfg.width, out_width)
         self.fast = FastEncoder(self.tower.encoder, self.tower.post_layernorm)  # no params
 

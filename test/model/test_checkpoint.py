@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from embodied_kv.model.checkpoint import (
     lerobot_key_map,
+    lerobot_state_dict,
     load_pi05_checkpoint,
     save_in_lerobot_layout,
 )
@@ -252,3 +253,12 @@ def test_own_layout_refuses_another_config(tmp_path, source):
     save_in_lerobot_layout(source, lerobot)
     with pytest.raises(ValueError, match="not an embodied_kv weights file"):
         load_weights(source, lerobot)
+
+
+def test_the_peer_loads_the_tensors_a_lerobot_file_holds(tiny_model, tmp_path):
+    """LeRobot's load_state_dict gets exactly the tensors of the LeRobot-layout file."""
+    state = lerobot_state_dict(tiny_model)
+    save_in_lerobot_layout(tiny_model, tmp_path / "model.safetensors")
+    saved = load_file(tmp_path / "model.safetensors")
+    assert state.keys() == saved.keys() == set(lerobot_key_map(tiny_model.cfg).values())
+    assert all(torch.equal(state[k], saved[k]) for k in state)
