@@ -28,9 +28,11 @@ pytest: $(STAMP)
 
 setup: $(STAMP)
 
-# On a machine with CUDA: the whole test suite, then bench step / oxygen / capsule at
-# pi05, results under bench/results/<date>-<gpu>/. Needs no setup (and no ROS): it uses
-# the machine's own torch. Without CUDA it stops with a one-line explanation.
+# On a machine with CUDA (no setup, no ROS: the machine's own torch), < 8 minutes:
+# action latency at pi05 with its breakdown, top kernels and LeRobot's PI05Policy beside
+# it, Triton registers / spills, the CUDA tests of the action path (docs/gpu.md); results
+# under bench/results/<date>-<gpu>/. Without CUDA it stops with a one-line explanation.
+# GPU_CHECK_ARGS="--profile full" is the whole test suite and the latency benches.
 GPU_CHECK_ARGS ?=
 gpu-check:
 	scripts/gpu_check.sh $(GPU_CHECK_ARGS)

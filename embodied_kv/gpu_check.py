@@ -1,29 +1,32 @@
-"""`embodied-kv gpu-check` (`make gpu-check`): the CUDA path, end to end, on a GPU machine.
+"""`embodied-kv gpu-check` (`make gpu-check`): the CUDA path on a GPU machine.
 
-    1. without CUDA: one line saying so, exit 2;
-    2. the whole test suite (the graph replay tests then run in "cuda" mode too; the ROS
-       tests skip, each with its reason, where rclpy is not installed);
-    3. `bench latency`, `step`, `oxygen`, `capsule`, `keep` at --preset pi05 --device cuda
-       (keep: random pi05 weights, TTFT only);
-    4. `lerobot`: `bench latency --peer lerobot`, LeRobot's PI05Policy beside ours in one
-       process, eager, then under torch.compile (mode PEER_COMPILE), each a step of its own
-       with its own time limit. It needs LeRobot's wheels carried to the machine
-       (scripts/peer_wheels.sh; scripts/gpu_check.sh installs them into a folder that only
-       these steps read, EMBODIED_KV_PEER_SITE); without them the step says so and is skipped.
+Profiles (`--profile`):
 
-Everything lands in bench/results/<date>-<gpu>/: env.json (device, driver, CUDA, torch,
-triton, Python, date, commit), pytest.txt, <bench>.json and <bench>.txt, summary.json
-(exit status and seconds of every step). Exit 0 only when every step passed.
+    action      (the default) issue #33's measurement in one device call under 8 minutes
+                (bench/action_profile.py): action latency at pi05 with its breakdown and
+                top kernels, LeRobot's PI05Policy in the same rounds, every Triton kernel's
+                registers and spills as this machine's Triton compiles them, the CUDA tests
+                of the action path, LeRobot under torch.compile last
+    mechanisms  every seed's mechanism (oxygen, actionflow, vlcache, keep, capsule) at pi05
+                in a GPU-quick form, a budget each, < 8 minutes (bench/mechanisms.py)
+    full        the whole test suite (the graph replay tests then run in "cuda" mode too;
+                the ROS tests skip, each with its reason, where rclpy is not installed),
+                then `bench latency`, `step`, `oxygen`, `capsule`, `keep` at --preset pi05
+                --device cuda: several device calls (`--only`, `--skip-tests`, `--timeout`)
+
+Without CUDA: one line saying so, exit 2. Everything lands in bench/results/<date>-<gpu>/:
+env.json (device, driver, CUDA, torch, triton, Python, date, commit), a log and a JSON per
+step, summary.json (status, seconds, budget and missing fields of every step). Exit 0
+only when every step passed.
 
 Nothing is installed: a GPU machine keeps the torch it has (a pip-resolved torch would
 replace its CUDA build). A missing module is named with the pip command that adds it.
+LeRobot's wheels, where a device call carried them, scripts/gpu_check.sh installs into a
+folder of their own (EMBODIED_KV_PEER_SITE) that only the steps marked `peer` read.
 
-`--profile mechanisms` (`make gpu-check-mechanisms`): instead, every seed's mechanism
-(oxygen, actionflow, vlcache, keep, capsule) at pi05 in a GPU-quick form with a time
-budget each, no test suite, < 8 minutes (bench/mechanisms.py); each JSON is checked for
-the fields the profile promises. `--dry`: the same benches at --preset tiny on the CPU
-(no CUDA needed), the check the CI runs so the GPU run cannot crash for a reason the CPU
-could have shown. docs/gpu_mechanisms.md.
+`--dry` (action or mechanisms): the same steps at --preset tiny on the CPU (no CUDA needed),
+the check the CI runs so the GPU run cannot crash for a reason the CPU could have shown.
+docs/gpu.md, docs/gpu_mechanisms.md.
 """
 
 from __future__ import annotations
@@ -43,16 +46,11 @@ from pathlib import Path
 
 import torch
 
-from embodied_kv.bench import mechanisms
+from embodied_kv.bench import action_profile, mechanisms
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHES = ("latency", "step", "oxygen", "capsule", "keep", "lerobot")
-PEER_COMPILE = "default"  # LeRobot's own default, max-autotune, autotunes for many minutes
-PEER_STEPS = {  # step -> `bench latency` arguments beyond --preset pi05 --device cuda
-    "latency_lerobot": ["--peer", "lerobot"],
-    "latency_lerobot_compiled": ["--peer", "lerobot", "--peer-compile", PEER_COMPILE],
-}
-PEER_TIMEOUT_S = 300  # each peer step, where --timeout gives none
+BENCHES = ("latency", "step", "oxygen", "capsule", "keep")  # the full profile's
+PROFILES = {"action": action_profile, "mechanisms": mechanisms}  # steps with a budget each
 # module -> PyPI name: what the tests and benchmarks import besides torch (no ROS)
 REQUIRED = {
     "numpy": "numpy",
@@ -146,16 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-args", default="", help="extra benchmark arguments, e.g. --quick")
     p.add_argument("--only", default=",".join(BENCHES), help="benchmarks to run, comma-separated")
     p.add_argument("--timeout", type=float, default=0, help="seconds per step (0: none)")
-    p.add_argument("--profile", choices=["latency", "mechanisms"], default="latency",
-                   help="latency: tests + the latency benches (default); mechanisms: every "
-                   "seed's mechanism, GPU-quick, a budget each (bench/mechanisms.py)")
-    p.add_argument("--dry", action="store_true", help="mechanisms on the CPU at --preset "
-                   "tiny: shapes, graph capture in emulation, JSON fields (CI)")
+    p.add_argument("--profile", choices=["action", "mechanisms", "full"], default="action",
+                   help="action (default): issue #33's measurement, < 8 min; mechanisms: every "
+                   "seed's mechanism, < 8 min; full: tests + the latency benches, several "
+                   "calls (module docstring)")
+    p.add_argument("--dry", action="store_true", help="the action or mechanisms profile on "
+                   "the CPU at --preset tiny: shapes, graph capture in emulation, JSON fields")
     args = p.parse_args(argv)
-    if args.dry and args.profile != "mechanisms":
-        p.error("--dry runs the mechanisms profile: add --profile mechanisms")
-    if args.profile == "mechanisms":
-        return run_mechanisms(args)
+    if args.dry and args.profile == "full":
+        p.error("--dry runs the action or mechanisms profile (--profile action|mechanisms)")
+    if args.profile in PROFILES:
+        return run_profile(args)
 
     if not torch.cuda.is_available():
         print(
@@ -180,48 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tests:
         cmd = [sys.executable, "-m", "pytest", "-q", *args.pytest_args.split()]
         steps["pytest"] = run_logged(cmd, out / "pytest.txt", args.timeout)
-    notes = {}
     for name in [n for n in args.only.split(",") if n]:  # --only= : the tests alone
-        if name == "lerobot":
-            notes.update(peer_steps(args, out, steps))
-            continue
         cmd = [sys.executable, "-m", "embodied_kv.cli", "bench", name, "--preset", "pi05"]
         cmd += ["--device", "cuda", "--json", str(out / f"{name}.json"), *args.bench_args.split()]
         steps[f"bench {name}"] = run_logged(cmd, out / f"{name}.txt", args.timeout)
     summary = {k: {"returncode": rc, "seconds": s} for k, (rc, s) in steps.items()}
-    for k, note in notes.items():
-        summary.setdefault(k, {"returncode": None, "seconds": 0})["note"] = note
-    write_json(out / "summary.json", {"env": env, "steps": summary})
-    for k, note in notes.items():
-        print(f"gpu-check: {k}: {note}")
+    write_json(out / "summary.json", {"env": env, "profile": "full", "steps": summary})
     failed = [k for k, (rc, _) in steps.items() if rc != 0]
-    failed += [k for k in notes if k in steps and steps[k][0] == 0]  # ran, LeRobot did not
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
     print(f"gpu-check: results in {out}; {verdict}")
     return 1 if failed else 0
-
-
-def peer_steps(args: argparse.Namespace, out: Path, steps: dict) -> dict[str, str]:
-    """LeRobot's steps (PEER_STEPS) into `steps`, each with LeRobot's own folder first on
-    its path -> {step: why LeRobot was not measured} (skipped, or its JSON says so)."""
-    site = os.environ.get("EMBODIED_KV_PEER_SITE")
-    if not site:
-        why = ("skipped: no LeRobot wheels on this machine (scripts/peer_wheels.sh here, then "
-               "carry .peer_wheels to the device; docs/gpu.md)")  # fmt: skip
-        return dict.fromkeys(PEER_STEPS, why)
-    path = [str(ROOT), site, *[p for p in os.environ.get("PYTHONPATH", "").split(":") if p]]
-    env = {**os.environ, "PYTHONPATH": ":".join(dict.fromkeys(path))}
-    notes = {}
-    for name, extra in PEER_STEPS.items():
-        cmd = [sys.executable, "-m", "embodied_kv.cli", "bench", "latency", "--preset", "pi05",
-               "--device", "cuda", "--json", str(out / f"{name}.json"), *extra,
-               *args.bench_args.split()]  # fmt: skip
-        steps[name] = run_logged(cmd, out / f"{name}.txt", args.timeout or PEER_TIMEOUT_S, env)
-        if steps[name][0] == 0:
-            peer = json.loads((out / f"{name}.json").read_text()).get("peer") or {}
-            if peer.get("unavailable"):
-                notes[name] = f"LeRobot not measured: {peer['unavailable']}"
-    return notes
 
 
 def run_inline(cli_argv: list[str], log: Path) -> tuple[int, float]:
@@ -245,9 +212,25 @@ def run_inline(cli_argv: list[str], log: Path) -> tuple[int, float]:
     return rc, round(time.perf_counter() - t, 1)
 
 
-def run_mechanisms(args: argparse.Namespace) -> int:
-    """The mechanisms profile (or its dry twin): each bench within its budget, its JSON
-    checked; summary.json says per bench status, seconds, budget and what is missing."""
+def peer_env() -> dict | None:
+    """The environment of a step that runs LeRobot: its wheels' folder on the path after the
+    repository (None: no wheels were carried and installed)."""
+    site = os.environ.get("EMBODIED_KV_PEER_SITE")
+    if not site:
+        return None
+    path = [str(ROOT), site, *[p for p in os.environ.get("PYTHONPATH", "").split(":") if p]]
+    return {**os.environ, "PYTHONPATH": ":".join(dict.fromkeys(path))}
+
+
+NO_PEER = ("skipped: no LeRobot wheels on this machine (scripts/peer_wheels.sh here, then "
+           "carry .peer_wheels to the device; docs/gpu.md)")  # fmt: skip
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """A profile of budgeted steps (action, mechanisms) or its dry twin: each step within
+    its budget, its JSON checked; summary.json says per step status, seconds, budget and
+    what is missing."""
+    module = PROFILES[args.profile]
     if not args.dry and not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device visible to torch {torch.__version__} (CUDA build: "
               f"{torch.version.cuda or 'none'}); --dry runs the profile on the CPU",
@@ -258,34 +241,51 @@ def run_mechanisms(args: argparse.Namespace) -> int:
     if args.dry:
         out = out.with_name(out.name + "-dry")
     write_json(out / "env.json", env)
+    names = [s.name for s in module.PROFILE]
     only = set(args.only.split(",")) if args.only != ",".join(BENCHES) else None
-    benches = [b for b in mechanisms.PROFILE if only is None or b.name in only]
-    if only is not None and (unknown := only - {b.name for b in mechanisms.PROFILE}):
-        print(f"gpu-check: --only {sorted(unknown)}: the mechanisms profile runs "
-              f"{[b.name for b in mechanisms.PROFILE]}", file=sys.stderr)  # fmt: skip
+    if only is not None and (unknown := only - set(names)):
+        print(f"gpu-check: --only {sorted(unknown)}: the {args.profile} profile runs {names}",
+              file=sys.stderr)  # fmt: skip
         return 2
     steps = {}
-    for b in benches:
-        budget = args.timeout or (mechanisms.DRY_BUDGET_S if args.dry else b.budget_s)
-        cmd = mechanisms.command(b, sys.executable, out, args.dry) + args.bench_args.split()
-        if args.dry:  # in this process: the benches' imports once, not once each (~15 s)
+    for b in [b for b in module.PROFILE if only is None or b.name in only]:
+        budget = args.timeout or (module.DRY_BUDGET_S if args.dry else b.budget_s)
+        cmd = module.command(b, sys.executable, out, args.dry)
+        if cmd is None:
+            steps[b.name] = {"returncode": None, "seconds": 0, "budget_s": budget,
+                             "skipped": "no dry form (a GPU alone runs it)"}  # fmt: skip
+            continue
+        if "bench" in cmd:
+            cmd += args.bench_args.split()
+        run_env = peer_env() if getattr(b, "peer", False) else None
+        if getattr(b, "compiles", False):
+            run_env = {k: v for k, v in (run_env or os.environ).items() if k != "TRITON_INTERPRET"}
+        if getattr(b, "needs_peer", False) and run_env is None:
+            steps[b.name] = {"returncode": None, "seconds": 0, "budget_s": budget,
+                             "command": " ".join(cmd[1:]), "skipped": NO_PEER}  # fmt: skip
+            print(f"gpu-check: {b.name}: {NO_PEER}")
+            continue
+        if args.dry and cmd[1:4] == ["-m", "embodied_kv.cli", "bench"]:
+            # in this process: the benches' imports once, not once each (~15 s)
             rc, seconds = run_inline(cmd[3:], out / f"{b.name}.txt")
         else:
-            rc, seconds = run_logged(cmd, out / f"{b.name}.txt", budget)
-        problem = mechanisms.check(b, out, args.dry) if rc == 0 else None
+            rc, seconds = run_logged(cmd, out / f"{b.name}.txt", budget, run_env)
+        problem = module.check(b, out, args.dry) if rc == 0 else None
         steps[b.name] = {"returncode": rc, "seconds": seconds, "budget_s": budget,
-                         "command": " ".join(cmd[1:]), "fields_missing": problem,
-                         "hf_compiled": mechanisms.SKIPPED_HF}  # fmt: skip
+                         "command": " ".join(cmd[1:]), "fields_missing": problem}  # fmt: skip
+        if args.profile == "mechanisms":
+            steps[b.name]["hf_compiled"] = mechanisms.SKIPPED_HF
         if rc == 124:
-            print(f"gpu-check: bench {b.name} killed at its budget, {budget:.0f} s")
-    write_json(out / "summary.json", {"env": env, "profile": "mechanisms", "dry": args.dry,
+            print(f"gpu-check: {b.name} killed at its budget, {budget:.0f} s")
+    write_json(out / "summary.json", {"env": env, "profile": args.profile, "dry": args.dry,
                                       "steps": steps})  # fmt: skip
-    failed = [k for k, s in steps.items() if s["returncode"] != 0 or s["fields_missing"]]
+    failed = [k for k, s in steps.items()
+              if s["returncode"] not in (0, None) or s.get("fields_missing")]  # fmt: skip
     for k in failed:
         s = steps[k]
         print(f"gpu-check: {k}: status {s['returncode']}; {s['fields_missing'] or 'see its .txt'}")
     verdict = f"FAILED: {', '.join(failed)}" if failed else "all passed"
-    print(f"gpu-check: mechanisms{' (dry)' if args.dry else ''}: results in {out}; {verdict}")
+    print(f"gpu-check: {args.profile}{' (dry)' if args.dry else ''}: results in {out}; {verdict}")
     return 1 if failed else 0
 
 

@@ -3,7 +3,9 @@
 # PI05Policy, built as `bench latency --peer lerobot` builds it, loads our weights and gives
 # our chunk. Runs that bench at pi0.5's widths with one layer (~10 GB of memory, ~5 min).
 # Not part of `make test`; on a GPU machine (Python 3.12) none of this is needed
-# (scripts/peer_wheels.sh, docs/gpu.md). Usage: scripts/lerobot_cpu_check.sh [JSON]
+# (scripts/peer_wheels.sh, docs/gpu.md).
+# Usage: scripts/lerobot_cpu_check.sh [JSON [more bench latency arguments]], e.g.
+#   scripts/lerobot_cpu_check.sh out/c.json --peer-compile default --cameras 2
 #
 # A side venv (.peer_cpu_venv/, ignored) reads .venv's packages and adds:
 #  * the device's wheels (DEVICE_WHEELS), huggingface_hub < 2 (transformers 5.5 refuses 2.x)
@@ -15,6 +17,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${1:-$ROOT/out/latency_lerobot_cpu.json}
+shift || true
 VENV=$ROOT/.peer_cpu_venv
 WHEELS=$VENV/wheels
 SP=$VENV/lib/python3.11/site-packages
@@ -44,4 +47,5 @@ fi
 mkdir -p "$(dirname "$OUT")"
 cd "$ROOT"
 PYTHONPATH=$ROOT OMP_NUM_THREADS=2 "$VENV/bin/python" -m embodied_kv.cli bench latency \
-  --preset pi05 --layers 1 --allow-cpu-pi05 --threads 2 --repeats 3 --peer lerobot --json "$OUT"
+  --preset pi05 --layers 1 --allow-cpu-pi05 --threads 2 --repeats 3 --peer lerobot --json "$OUT" \
+  "$@"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from embodied_kv import gpu_check
-from embodied_kv.bench import mechanisms
+from embodied_kv.bench import action_profile, mechanisms
 from embodied_kv.gpu_check import environment, results_dir, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +148,69 @@ def test_make_gpu_check_mechanisms_without_cuda_points_at_the_dry_run():
     assert len(lines) == 1 and "no CUDA device" in lines[0] and "--dry" in lines[0]
 
 
-def test_dry_needs_the_mechanisms_profile(capsys):
+def test_dry_runs_a_budgeted_profile_not_the_full_one(capsys):
     with pytest.raises(SystemExit):
-        gpu_check.main(["--dry"])
-    assert "--profile mechanisms" in capsys.readouterr().err
+        gpu_check.main(["--dry", "--profile", "full"])
+    assert "--profile action|mechanisms" in capsys.readouterr().err
+
+
+def test_action_profile_dry_run_passes_on_the_cpu(tmp_path):
+    """`make gpu-check`'s steps at --preset tiny on the CPU: latency with its breakdown,
+    kernel table and the LeRobot peer (not importable here: the JSON says why), the Triton
+    kernels compiled for sm_90; the GPU-only steps are listed as skipped."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "embodied_kv.cli", "gpu-check", "--dry", "--out", str(tmp_path)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (out,) = tmp_path.iterdir()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["profile"] == "action" and summary["dry"] is True
+    steps = summary["steps"]
+    assert sorted(steps) == sorted(s.name for s in action_profile.PROFILE)
+    for name in ("latency", "triton_kernels"):
+        assert steps[name]["returncode"] == 0 and steps[name]["fields_missing"] is None, steps
+    assert steps["cuda_tests"]["skipped"] and steps["latency_lerobot_compiled"]["skipped"]
+    latency = json.loads((out / "latency.json").read_text())
+    assert latency["peer"]["unavailable"] and latency["rows"][0]["kernels"]["rows"]
+    kernels = json.loads((out / "triton_kernels.json").read_text())
+    assert kernels and all(k["spill_stores"] == 0 for k in kernels)
+
+
+def test_action_profile_fits_the_window_and_its_gpu_arguments_parse(monkeypatch):
+    """The GPU run's bench arguments parse at pi05 on CUDA (a typo would cost the GPU
+    session its measurement); its tests exist; its budgets fit 8 minutes with the start."""
+    from embodied_kv import cli
+    from embodied_kv.bench import harness
+
+    assert action_profile.GPU_BUDGET_S <= 8 * 60
+    assert all((ROOT / t).is_file() for t in action_profile.CUDA_TESTS)
+    parsed = []
+
+    class Parsed(Exception):
+        pass
+
+    def parse_only(p, argv):
+        parsed.append(p.parse_args(list(argv)))  # unknown arguments: SystemExit
+        raise Parsed
+
+    monkeypatch.setattr(harness, "parse", parse_only)
+    for step in action_profile.PROFILE:
+        cmd = action_profile.command(step, "python", Path("/results"), dry=False)
+        if cmd[1:4] != ["-m", "embodied_kv.cli", "bench"]:
+            continue
+        with pytest.raises(Parsed):
+            cli.main(cmd[3:])
+        assert parsed[-1].preset == "pi05" and parsed[-1].device == "cuda"
+        assert parsed[-1].peer == "lerobot" and step.peer
+    assert len(parsed) == 2
+
+
+def test_peer_steps_get_the_wheels_folder_or_are_skipped(monkeypatch):
+    monkeypatch.delenv("EMBODIED_KV_PEER_SITE", raising=False)
+    assert gpu_check.peer_env() is None
+    monkeypatch.setenv("EMBODIED_KV_PEER_SITE", "/tmp/site")
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}:/elsewhere")
+    path = gpu_check.peer_env()["PYTHONPATH"].split(":")
+    assert path == [str(ROOT), "/tmp/site", "/elsewhere"]  # the repository first, once

@@ -28,6 +28,7 @@ the same noise. Where LeRobot cannot be imported the result says why and the res
 
 --breakdown: afterwards, a separate pass over the graphs engine times each region of the
 action (vision, prefix embedding, prefill, denoise, host): bench/latency_breakdown.py.
+--kernels: then a profiler pass, the top kernels by device time: bench/kernel_profile.py.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import time
 
 import torch
 
-from embodied_kv.bench import harness, latency_breakdown, lerobot_peer, limit
+from embodied_kv.bench import harness, kernel_profile, latency_breakdown, lerobot_peer, limit
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
@@ -49,6 +50,7 @@ from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
 
 GOAL_X_LIMIT = 1.5
+KERNEL_CYCLES = 5  # control cycles under the profiler, per camera count (--kernels)
 INSTRUCTION = "pick up the cup"  # short: the published limit is for a 48-token prompt
 
 
@@ -87,15 +89,20 @@ def measure(
     """action_s samples (ms) per engine, and per peer (lerobot_peer.LeRobotPeer: its
     `predict_action_chunk`), for observations with `cams` cameras present; the order
     rotates every round."""
-    peers = peers or {}
+    peers = peers if peers is not None else {}
     samples = {name: [] for name in [*engines, *peers]}
-    prefix = None
+    prefix, failed = None, {}
     for r in range(warmup + repeats):
         obs = observation(model.cfg, cams, 1000 * cams + r)
         names = list(samples)
         for name in names[r % len(names) :] + names[: r % len(names)]:
             if name in peers:
-                ms = peers[name].act_ms(peers[name].batch(obs))
+                try:
+                    ms = peers[name].act_ms(peers[name].batch(obs))
+                except Exception as e:  # noqa: BLE001 - the peer's failure ends its rows only
+                    failed[name] = f"{type(e).__name__}: {e}"
+                    del peers[name], samples[name]
+                    continue
                 if r >= warmup:
                     samples[name].append(ms)
                 continue
@@ -107,7 +114,7 @@ def measure(
             prefix = res.prefix_len
             if r >= warmup:
                 samples[name].append(res.action_s * 1e3)
-    return {"prefix_len": prefix, "samples": samples}
+    return {"prefix_len": prefix, "samples": samples, "failed": failed}
 
 
 def run(args, env: harness.Environment) -> dict:
@@ -133,16 +140,27 @@ def run(args, env: harness.Environment) -> dict:
     harness.progress(env, f"engines warm, {engines['graphs'].graphs.captures} graphs captured")
     repeats = args.repeats or (10 if args.quick else 40)
     cams_list = [c for c in range(1, cfg.num_cameras + 1) if args.preset != "pi05" or c >= 2]
+    if args.cameras:
+        cams_list = [c for c in cams_list if c in args.cameras]
     rows = []
     peer_reason = lerobot_peer.why_not(cfg) if args.peer else None
     peers, peer_build = {}, {}
     if args.peer and peer_reason is None:
-        peers, peer_build = build_peers(model, cams_list[0], args.peer_compile, env)
+        try:  # LeRobot's failure is reported; our rows run on
+            peers, peer_build = build_peers(model, cams_list[0], args.peer_compile, env)
+        except Exception as e:  # noqa: BLE001
+            peer_reason = peer_failed("building", e)
     for cams in cams_list:
         peer_fields = {}
         if peers:
-            peer_fields = peer_row(peers, cams, model)
+            try:
+                peer_fields = peer_row(peers, cams, model)
+            except Exception as e:  # noqa: BLE001
+                peer_reason, peers = peer_failed(f"at {cams} cameras", e), {}
         m = measure(model, engines, cams, warmup=2, repeats=repeats, peers=peers)
+        if m["failed"]:
+            peer_reason = f"failed at {cams} cameras: {m['failed']}"
+            print(f"LeRobot's peer {peer_reason}", file=sys.stderr)
         harness.progress(env, f"{cams} cameras measured")
         g, e = m["samples"]["graphs"], m["samples"]["eager"]
         real = args.preset == "pi05" and args.device == "cuda" and not args.layers
@@ -174,6 +192,12 @@ def run(args, env: harness.Environment) -> dict:
             medians, action = latency_breakdown.breakdown(model, engines["graphs"], obs, 2)
             row.update(breakdown_ms=medians, breakdown_action_ms=action)
             harness.progress(env, f"{cams} cameras broken down")
+    if args.kernels:
+        for row in rows:
+            cams = row["cameras"]
+            obs = [observation(cfg, cams, 1000 * cams + 700 + r) for r in range(KERNEL_CYCLES)]
+            row["kernels"] = kernel_profile.top_kernels(model, engines["graphs"], obs)
+            harness.progress(env, f"{cams} cameras profiled")
     model.graphs = None
     model.expert.fused_layer_step = True
     peer = None
@@ -186,6 +210,14 @@ def run(args, env: harness.Environment) -> dict:
         "graph_mode": mode, "repeats": repeats, "rows": rows, "goal_x_limit": GOAL_X_LIMIT,
         "peer": peer,
     }  # fmt: skip
+
+
+def peer_failed(where: str, e: Exception) -> str:
+    """The reason recorded when LeRobot's peer raised; its traceback goes to stderr."""
+    import traceback
+
+    traceback.print_exc()
+    return f"failed {where}: {type(e).__name__}: {e}"
 
 
 def build_peers(model, cams: int, compile_mode: str | None, env) -> tuple[dict, dict]:
@@ -261,6 +293,7 @@ def report(result: dict) -> None:
                   "plain graphs path")  # fmt: skip
     report_peer(result)
     latency_breakdown.report(rows)
+    kernel_profile.report(rows)
 
 
 def report_peer(result: dict) -> None:
@@ -307,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also an engine with real-time chunking (this guidance): its own row",
     )
+    p.add_argument("--cameras", type=lambda t: [int(c) for c in t.split(",")], default=None,
+                   help="only these camera counts, e.g. 2 (default: every count; pi05: 2, 3)")
+    p.add_argument("--kernels", action="store_true",
+                   help="then profile a few cycles: the top kernels by device time")
     p.add_argument("--peer", choices=["lerobot"], default=None,
                    help="also time LeRobot's PI05Policy (pinned, bench/lerobot_peer.py) in the "
                    "same rounds (needs lerobot importable: Python >= 3.12, docs/gpu.md)")

@@ -9,7 +9,6 @@ import json
 import subprocess
 from pathlib import Path
 
-from embodied_kv import gpu_check
 from embodied_kv.bench import latency, lerobot_peer
 from embodied_kv.model.config import get_preset
 
@@ -53,13 +52,3 @@ def test_the_device_wheels_are_the_pinned_list():
     assert listed == list(lerobot_peer.DEVICE_WHEELS)
     assert f"lerobot=={lerobot_peer.PINNED}" in listed
     assert all(w.count("==") == 1 for w in listed)
-
-
-def test_gpu_check_skips_the_peer_steps_without_wheels(tmp_path, monkeypatch):
-    monkeypatch.delenv("EMBODIED_KV_PEER_SITE", raising=False)
-    steps = {}
-    args = gpu_check.argparse.Namespace(bench_args="", timeout=0)
-    notes = gpu_check.peer_steps(args, tmp_path, steps)
-    assert steps == {} and set(notes) == set(gpu_check.PEER_STEPS)
-    assert all("scripts/peer_wheels.sh" in n for n in notes.values())
-    assert "lerobot" in gpu_check.BENCHES

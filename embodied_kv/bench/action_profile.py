@@ -1,0 +1,109 @@
+"""gpu-check's `action` profile, the default of `make gpu-check`: issue #33's measurement
+of the action path in one device call of at most 8 minutes, and its dry twin on the CPU.
+
+    latency           bench latency --quick --breakdown --kernels --peer lerobot: action
+                      latency at 2 and 3 cameras with the limit, the regions, the top-20
+                      kernels by device time, and LeRobot's PI05Policy timed in the same
+                      rounds (its chunk against ours)
+    triton_kernels    every Triton kernel of the pi05 path compiled by the machine's Triton
+                      for its GPU, registers and spills from ptxas -v (kernels/offline_compile)
+    cuda_tests        the tests whose CUDA half only a GPU runs (graph replay = eager in
+                      `cuda` mode, the fused kernels against their references)
+    latency_lerobot_compiled
+                      LeRobot's policy under torch.compile (mode PEER_COMPILE) beside ours
+                      at 2 cameras: last, as its compile time is the least known
+
+Each step has a budget (killed past it, status 124, the next one starts); the budgets add
+up to GPU_BUDGET_S. LeRobot runs from the wheels a device call carries
+(scripts/peer_wheels.sh, docs/gpu.md): steps marked `peer` get their folder on the path;
+without it `latency` still runs ours (its JSON says why LeRobot did not, and the step is
+reported as lacking LeRobot's fields) and the compiled step is skipped. `--dry` runs the
+steps that have a dry form at --preset tiny on the CPU and checks their JSON fields.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from embodied_kv.bench.mechanisms import missing_fields
+
+PEER_COMPILE = "default"  # LeRobot's own default, max-autotune, autotunes for many minutes
+DRY_BUDGET_S = 240.0
+# what docs/gpu_next.md asks a GPU to check first: the CUDA halves of these files
+CUDA_TESTS = (
+    "test/engine/test_graphs.py", "test/model/test_flow_constants.py",
+    "test/kernels/test_row_bucket.py", "test/engine/test_frame_loop.py",
+    "test/model/test_expert_step.py", "test/model/test_vision_fast.py",
+    "test/kernels/test_expert_attention.py", "test/model/test_rtc.py",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    gpu: tuple[str, ...]  # argv after the interpreter; "{out}" is the results folder
+    dry: tuple[str, ...] | None  # the CPU dry run's argv (None: not run dry)
+    budget_s: float
+    fields: tuple[str, ...] = ()  # dotted paths `<name>.json` must hold (dry and GPU)
+    gpu_fields: tuple[str, ...] = ()  # and the GPU run's besides
+    peer: bool = False  # LeRobot's folder on the path (EMBODIED_KV_PEER_SITE)
+    needs_peer: bool = False  # skipped without it
+    compiles: bool = False  # compiles Triton kernels: TRITON_INTERPRET (tests set it) unset
+
+
+LATENCY = ("-m", "embodied_kv.cli", "bench", "latency")
+PI05 = ("--preset", "pi05", "--device", "cuda")
+TINY = ("--preset", "tiny", "--device", "cpu")
+PROFILE = (
+    Step("latency",
+         (*LATENCY, *PI05, "--quick", "--breakdown", "--kernels", "--peer", "lerobot",
+          "--json", "{out}/latency.json"),
+         (*LATENCY, *TINY, "--quick", "--repeats", "2", "--breakdown", "--kernels", "--peer",
+          "lerobot", "--json", "{out}/latency.json"),
+         180.0,
+         ("rows.0.graphs_ms.median", "rows.0.breakdown_ms.denoise", "rows.0.kernels.rows.0.name",
+          "peer.pinned"),
+         ("rows.0.limit_ms", "rows.1.breakdown_ms.denoise", "rows.1.kernels.rows.0.name",
+          "rows.0.lerobot_ms.median", "rows.0.lerobot_over_graphs",
+          "rows.0.lerobot_vs_ours.max_abs_diff"), peer=True),
+    Step("triton_kernels",
+         ("-m", "embodied_kv.kernels.offline_compile", "--json", "{out}/triton_kernels.json"),
+         ("-m", "embodied_kv.kernels.offline_compile", "--json", "{out}/triton_kernels.json"),
+         40.0, ("0.registers", "0.spill_stores"), compiles=True),
+    Step("cuda_tests", ("-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS), None,
+         100.0),
+    Step("latency_lerobot_compiled",
+         (*LATENCY, *PI05, "--quick", "--cameras", "2", "--repeats", "5", "--peer", "lerobot",
+          "--peer-compile", PEER_COMPILE, "--json", "{out}/latency_lerobot_compiled.json"),
+         None, 150.0, (), ("rows.0.lerobot_compiled_ms.median", "peer.compiled_first_call_s"),
+         peer=True, needs_peer=True),
+)  # fmt: skip
+GPU_BUDGET_S = sum(s.budget_s for s in PROFILE)  # 470 s: 8 minutes with the start
+
+
+def command(step: Step, python: str, out: Path, dry: bool) -> list[str] | None:
+    """The step's argv (None: no dry form)."""
+    argv = step.dry if dry else step.gpu
+    if argv is None:
+        return None
+    return [python, *(a.replace("{out}", str(out)) for a in argv)]
+
+
+def check(step: Step, out: Path, dry: bool) -> str | None:
+    """None if the step's JSON (if it writes one) holds every promised field, else why not;
+    a LeRobot that did not run is named with its reason."""
+    fields = step.fields + (() if dry else step.gpu_fields)
+    if not fields:
+        return None
+    path = out / f"{step.name}.json"
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{path.name}: {type(e).__name__}: {e}"
+    missing = missing_fields(result, fields)
+    if not missing:
+        return None
+    why = ((result.get("peer") or {}).get("unavailable") if isinstance(result, dict) else None)
+    return f"{path.name} lacks {', '.join(missing)}" + (f" (LeRobot: {why})" if why else "")
