@@ -22,12 +22,10 @@ import contextlib
 import importlib.metadata
 import time
 
-import numpy as np
 import torch
 
 from embodied_kv.model.checkpoint import lerobot_state_dict
 from embodied_kv.model.config import PRESETS, ModelConfig
-from embodied_kv.model.prompt import tokenize_prompt
 
 PINNED = "0.6.1"
 # what `PI05Policy` imports that a GPU machine's image lacks (docs/gpu.md): LeRobot 0.6.1
@@ -60,7 +58,7 @@ def why_not(cfg: ModelConfig) -> str | None:
         from lerobot.policies.pi05.modeling_pi05 import PI05Policy  # noqa: F401
     except Exception as e:  # noqa: BLE001 - ImportError, or SyntaxError on Python < 3.12
         return (f"LeRobot {PINNED} is not importable here ({type(e).__name__}: {e}); it needs "
-                "Python >= 3.12: scripts/peer_wheels.sh, docs/gpu.md")  # fmt: skip
+                "Python >= 3.12 and its wheels: scripts/peer_wheels.sh, docs/gpu.md")  # fmt: skip
     if version != PINNED:
         return f"LeRobot {version} is installed; the peer is pinned to {PINNED}"
     return None
@@ -149,14 +147,6 @@ class LeRobotPeer:
         self.cams = cams
         self.keys = list(self.policy.config.image_features)
 
-    def prompt_ids(self, obs) -> list[int]:
-        """The ids our prefix embeds (model/vla.py embed_prefix): the same prompt."""
-        state = np.asarray(obs.state).reshape(-1)
-        c = self.cfg
-        return tokenize_prompt(
-            self.model.tokenizer, obs.instruction, state, c.max_text_tokens, c.state_bins
-        ).ids
-
     def batch(self, obs) -> dict[str, torch.Tensor]:
         """LeRobot's batch for `obs`: images [1, 3, s, s] in [0, 1] on the host (the policy
         moves them, as our cycle does); the prompt padded to tokenizer_max_length on the
@@ -169,7 +159,7 @@ class LeRobotPeer:
             raise ValueError(f"the peer reads {self.cams} cameras, got {len(present)}")
         pairs = zip(self.keys, present, strict=True)
         out = {k: ((obs.images[i].float() + 1) / 2)[None] for k, i in pairs}
-        ids = self.prompt_ids(obs)
+        ids = self.model.prompt_tokens(obs).ids  # the ids our prefix embeds
         n, pad = len(ids), self.policy.config.tokenizer_max_length
         tokens = torch.zeros(1, pad, dtype=torch.long)
         tokens[0, :n] = torch.tensor(ids, dtype=torch.long)

@@ -124,14 +124,7 @@ class VLA(nn.Module):
                 f"expected {c.num_cameras} camera images and mask entries, got "
                 f"{obs.images.shape[0]} and {len(mask)}"
             )
-        # Only the robot's own dims go into the prompt, unpadded: openpi TokenizePrompt runs
-        # before PadStatesAndActions; LeRobot Pi05PrepareStateTokenizerProcessorStep.
-        state = np.asarray(obs.state).reshape(-1)
-        if state.shape[0] > c.state_dim:
-            raise ValueError(f"state of {state.shape[0]} dims > the model's {c.state_dim}")
-        prompt = tokenize_prompt(
-            self.tokenizer, obs.instruction, state, c.max_text_tokens, c.state_bins
-        )
+        prompt = self.prompt_tokens(obs)
         ids = to_device(torch.tensor(prompt.ids, dtype=torch.long), self.device)
         parts = []
         present = [i for i, m in enumerate(mask) if m]
@@ -143,6 +136,18 @@ class VLA(nn.Module):
         parts.append(self.backbone.embed(ids))
         n_image = parts[0].shape[0] if present else 0
         return Prefix(torch.cat(parts, dim=0), prompt.truncated, n_image)
+
+    def prompt_tokens(self, obs: Observation):
+        """The pi0.5 prompt of `obs` (task and discretised state) as token ids."""
+        # Only the robot's own dims go into the prompt, unpadded: openpi TokenizePrompt runs
+        # before PadStatesAndActions; LeRobot Pi05PrepareStateTokenizerProcessorStep.
+        c = self.cfg
+        state = np.asarray(obs.state).reshape(-1)
+        if state.shape[0] > c.state_dim:
+            raise ValueError(f"state of {state.shape[0]} dims > the model's {c.state_dim}")
+        return tokenize_prompt(
+            self.tokenizer, obs.instruction, state, c.max_text_tokens, c.state_bins
+        )
 
     def make_noise(self, seed: int) -> torch.Tensor:
         """Seeded fp32 noise [H, A] (the flow state stays fp32 under bf16), drawn on the
