@@ -10,7 +10,7 @@
 # A side venv (.peer_cpu_venv/, ignored) reads .venv's packages and adds:
 #  * the device's wheels (DEVICE_WHEELS), huggingface_hub < 2 (transformers 5.5 refuses 2.x)
 #    and what LeRobot imports that .venv lacks (torchvision for torch 2.13, opencv, requests,
-#    httpx, cloudpickle, typing-inspect);
+#    httpx, cloudpickle, typing-inspect, einops);
 #  * LeRobot 0.6.1's five lines of Python 3.12 syntax (PEP 695) in their 3.11 forms;
 #  * PyPI's torchvision is a CUDA build whose C++ ops cannot load beside a CPU torch: its
 #    fake-op registrations are skipped (LeRobot imports torchvision.io, calls no op).
@@ -29,7 +29,7 @@ if [ ! -f "$VENV/.ready" ]; then
   "$ROOT/.venv/bin/python" -m pip download --quiet --no-deps --only-binary=:all: -d "$WHEELS" \
     huggingface_hub==1.33.0 torchvision==0.28.0 "opencv-python-headless<4.14" requests \
     urllib3 charset-normalizer httpx httpcore h11 certifi sniffio cloudpickle typing-inspect \
-    mypy-extensions
+    mypy-extensions einops
   "$ROOT/.venv/bin/python" -m pip install --quiet --no-index --no-deps --no-compile \
     --ignore-requires-python --target "$SP" "$WHEELS"/*.whl
   sed -i -E 's/^type (\w+) = /\1 = /' "$SP/lerobot/motors/motors_bus.py" \
@@ -47,6 +47,8 @@ if [ ! -f "$VENV/.ready" ]; then
 fi
 mkdir -p "$(dirname "$OUT")"
 cd "$ROOT"
+# the peer must import here, or the bench would run ours alone
+PYTHONPATH=$ROOT "$VENV/bin/python" -c "from lerobot.policies.pi05.modeling_pi05 import PI05Policy"
 PYTHONPATH=$ROOT OMP_NUM_THREADS=2 "$VENV/bin/python" -m embodied_kv.cli bench latency \
   --preset pi05 --layers 1 --allow-cpu-pi05 --threads 2 --repeats 3 --peer lerobot --json "$OUT" \
   "$@"

@@ -103,6 +103,9 @@ def check(step: Step, out: Path, dry: bool) -> str | None:
     except (OSError, ValueError) as e:
         return f"{path.name}: {type(e).__name__}: {e}"
     missing = missing_fields(result, fields)
+    off = result.get("kernels_off") if isinstance(result, dict) else None
+    if off:  # ran, but some fused ops on their torch references: not the product's speed
+        missing.append(f"kernels_off ({', '.join(f'{k}: {v}' for k, v in off.items())})")
     if not missing:
         return None
     why = ((result.get("peer") or {}).get("unavailable") if isinstance(result, dict) else None)

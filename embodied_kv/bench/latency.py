@@ -44,6 +44,7 @@ from embodied_kv.bench import harness, kernel_profile, latency_breakdown, lerobo
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
+from embodied_kv.kernels import fallback
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.rtc import GUIDANCE, RTCConfig
 from embodied_kv.model.synthetic import synthetic_observation
@@ -208,7 +209,7 @@ def run(args, env: harness.Environment) -> dict:
     return {
         "benchmark": "latency", "preset": args.preset, "dtype": str(dtype).split(".")[-1],
         "graph_mode": mode, "repeats": repeats, "rows": rows, "goal_x_limit": GOAL_X_LIMIT,
-        "peer": peer,
+        "peer": peer, "kernels_off": dict(fallback.OFF),
     }  # fmt: skip
 
 
@@ -291,6 +292,8 @@ def report(result: dict) -> None:
             print(f"{r['cameras']} cameras: RTC ({r['rtc']}) from its graph "
                   f"{r['graphs_rtc_ms']['median']:.2f} ms = {r['rtc_over_graphs']:.2f}x the "
                   "plain graphs path")  # fmt: skip
+    for op, why in result["kernels_off"].items():
+        print(f"LOSS: the {op} kernel could not be built here ({why}): its torch reference ran")
     report_peer(result)
     latency_breakdown.report(rows)
     kernel_profile.report(rows)

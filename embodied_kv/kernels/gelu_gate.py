@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from embodied_kv.kernels.fallback import dispatch
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, tl, triton, use_kernel
 
 BLOCK = 1024  # elements of one row per program
@@ -84,6 +85,5 @@ def gelu_gate_kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if use_kernel(gate, up):
-        return gelu_gate_kernel(gate, up)
-    return gelu_gate_ref(gate, up)
+    return dispatch("gelu_gate", use_kernel(gate, up), lambda: gelu_gate_kernel(gate, up),
+                    lambda: gelu_gate_ref(gate, up))  # fmt: skip

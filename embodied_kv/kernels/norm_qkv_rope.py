@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from embodied_kv.kernels.fallback import dispatch
 from embodied_kv.kernels.norm_prologue import (
     BLOCK_K,
     PI05_EXPERT,
@@ -180,9 +181,11 @@ def norm_qkv_rope_kernel(h, scale1, shift, eps: float, w_qkv, sizes, cos, sin):
 
 def norm_qkv_rope(h, scale1, shift, eps: float, w_qkv, sizes, cos, sin):
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere."""
-    if use_kernel(h, scale1, shift, w_qkv):
-        return norm_qkv_rope_kernel(h, scale1, shift, eps, w_qkv, sizes, cos, sin)
-    return norm_qkv_rope_ref(h, scale1, shift, eps, w_qkv, sizes, cos, sin)
+    return dispatch(
+        "norm_qkv_rope", use_kernel(h, scale1, shift, w_qkv),
+        lambda: norm_qkv_rope_kernel(h, scale1, shift, eps, w_qkv, sizes, cos, sin),
+        lambda: norm_qkv_rope_ref(h, scale1, shift, eps, w_qkv, sizes, cos, sin),
+    )  # fmt: skip
 
 
 def pi05_launches(dtype: torch.dtype = torch.bfloat16) -> list[Launch]:

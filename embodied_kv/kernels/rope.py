@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from embodied_kv.kernels.fallback import dispatch
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     Launch,
@@ -116,6 +117,5 @@ def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    if use_kernel(x):
-        return rope_kernel(x, cos, sin)
-    return rope_ref(x, cos, sin)
+    return dispatch("rope", use_kernel(x), lambda: rope_kernel(x, cos, sin),
+                    lambda: rope_ref(x, cos, sin))  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from diagnostic_msgs.msg import DiagnosticStatus
 
+from embodied_kv.kernels import fallback
 from embodied_kv.ros import heap
 from embodied_kv.ros.engine_host import EngineHost
 
@@ -49,6 +50,9 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
             "live_requests": len(engine.manager.live()),
             "frame": engine.frame,
             "action_mode": cfg.action_mode,
+            # fused ops whose Triton kernel could not be built here: their reference runs
+            "kernels_off": ", ".join(sorted(fallback.OFF)),
+            "kernels_off_reasons": "; ".join(f"{k}: {v}" for k, v in sorted(fallback.OFF.items())),
         },
     )
     sections["language"] = _language(engine)

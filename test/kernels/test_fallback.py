@@ -1,0 +1,89 @@
+"""A fused op whose Triton kernel cannot be built here runs its torch reference, and says so.
+
+The failures are Triton's own exception classes, raised as Triton raises them at a first
+launch (here by the dispatch's kernel call, since this CPU launches no kernel)."""
+
+import logging
+
+import pytest
+import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+from embodied_kv.kernels import fallback
+from embodied_kv.kernels import rope as rope_mod
+
+
+@pytest.fixture(autouse=True)
+def clean_off():
+    saved = dict(fallback.OFF)
+    fallback.OFF.clear()
+    yield
+    fallback.OFF.clear()
+    fallback.OFF.update(saved)
+
+
+def test_a_kernel_out_of_resources_runs_the_reference_from_then_on(caplog):
+    calls = []
+
+    def kernel():
+        calls.append("kernel")
+        raise OutOfResources(262144, 232448, "shared memory")  # a tile too big for this GPU
+
+    with caplog.at_level(logging.WARNING):
+        assert fallback.dispatch("op", True, kernel, lambda: "ref") == "ref"
+        assert fallback.dispatch("op", True, kernel, lambda: "ref") == "ref"
+    assert calls == ["kernel"]  # not tried again
+    assert "OutOfResources" in fallback.OFF["op"] and "shared memory" in fallback.OFF["op"]
+    assert "the op kernel cannot run here" in caplog.text
+
+
+def test_a_compile_error_is_taken_too():
+    def kernel():
+        raise CompilationError("kernel.py", None, "unsupported construct in this Triton")
+
+    assert fallback.dispatch("op", True, kernel, lambda: 7) == 7
+    assert fallback.OFF["op"].startswith("CompilationError")
+
+
+def test_our_own_mistake_still_raises():
+    def kernel():
+        raise ValueError("wrong shape")
+
+    with pytest.raises(ValueError):
+        fallback.dispatch("op", True, kernel, lambda: 7)
+    assert "op" not in fallback.OFF
+
+
+def test_off_or_not_on_the_reference_runs_without_trying_the_kernel():
+    def kernel():
+        raise AssertionError("must not run")
+
+    assert fallback.dispatch("op", False, kernel, lambda: 1) == 1
+    fallback.OFF["other"] = "off"
+    assert fallback.dispatch("other", True, kernel, lambda: 2) == 2
+
+
+def test_a_dispatcher_with_its_kernel_off_gives_the_references_bytes():
+    """rope on the CPU: the reference's bytes through the dispatch; with its kernel off the
+    same (the rule: off means the reference)."""
+    x, cos, sin = torch.randn(5, 2, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+    before = rope_mod.rope(x, cos, sin)
+    fallback.OFF["rope"] = "off for the test"
+    assert torch.equal(rope_mod.rope(x, cos, sin), before)
+    assert torch.equal(before, rope_mod.rope_ref(x, cos, sin))
+
+
+def test_every_dispatcher_goes_through_it():
+    """Each `use_kernel(...)` rule in kernels/ decides a `dispatch` (a bare `if use_kernel`
+    would crash the robot where Triton cannot build the kernel)."""
+    from pathlib import Path
+
+    root = Path(fallback.__file__).parent
+    for path in root.glob("*.py"):
+        if path.name in ("triton_base.py", "fallback.py"):
+            continue
+        text = path.read_text()
+        assert text.count("use_kernel(") == text.count("dispatch(\n") + text.count(
+            'dispatch("'
+        ), path.name
