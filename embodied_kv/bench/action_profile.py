@@ -66,7 +66,7 @@ PROFILE = (
          ("rows.0.graphs_ms.median", "rows.0.breakdown_ms.denoise", "rows.0.kernels.rows.0.name",
           "peer.pinned"),
          ("rows.0.limit_ms", "rows.1.breakdown_ms.denoise", "rows.1.kernels.rows.0.name",
-          "rows.0.lerobot_ms.median", "rows.0.lerobot_over_graphs",
+          "rows.0.lerobot_ms.median", "rows.0.lerobot_over_ours",
           "rows.0.lerobot_vs_ours.max_abs_diff"), peer=True),
     Step("triton_kernels",
          ("-m", "embodied_kv.kernels.offline_compile", "--json", "{out}/triton_kernels.json"),
