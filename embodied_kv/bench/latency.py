@@ -234,6 +234,7 @@ def build_peers(model, cams: int, compile_mode: str | None, env) -> tuple[dict, 
         t = time.perf_counter()
         compiled.act_ms(compiled.batch(observation(model.cfg, cams, 8)))  # compiles
         took["compiled_first_call_s"] = round(time.perf_counter() - t, 1)
+        took["compiled_matmul_precision"] = compiled.matmul_precision
         peers["lerobot_compiled"] = compiled
     harness.progress(env, "LeRobot's PI05Policy built")
     return peers, took
@@ -314,7 +315,9 @@ def report_peer(result: dict) -> None:
             if f"{name}_ms" not in r:
                 continue
             ratio = r[f"{name}_over_ours"]
-            what = "eager" if name == "lerobot" else f"torch.compile {peer['compile_mode']}"
+            what = "eager" if name == "lerobot" else (
+                f"torch.compile {peer['compile_mode']}, fp32 matmul precision "
+                f"'{peer.get('compiled_matmul_precision')}'")
             print(f"{r['cameras']} cameras: LeRobot {peer['pinned']} PI05Policy ({what}, "
                   f"{r['lerobot_prefix_rows']} prefix rows) {r[f'{name}_ms']['median']:.2f} ms = "
                   f"{ratio:.2f}x our {peer['ours']} path"

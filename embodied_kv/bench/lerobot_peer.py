@@ -117,6 +117,7 @@ class LeRobotPeer:
             compile_mode=compile_mode or "max-autotune", device=str(model.device),
             input_features=self._inputs(cams), output_features={"action": action},
         )  # fmt: skip
+        ours = torch.get_float32_matmul_precision()
         self.built_on = "device"
         try:  # on the device: seconds; LeRobot's own way, on the host then moved, the fallback
             with _depths(modeling_pi05, c), torch.device(model.device):
@@ -125,6 +126,11 @@ class LeRobotPeer:
             self.built_on = f"host (on the device: {type(e).__name__}: {e})"
             with _depths(modeling_pi05, c):
                 self.policy = modeling_pi05.PI05Policy(config)
+        # LeRobot's compile_model sets torch.set_float32_matmul_precision("high") for the
+        # process (TF32 on a GPU; bf16 GEMMs in inductor's code on a CPU with AMX): kept for
+        # its own calls only (`_precision`), ours restored
+        self.matmul_precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(ours)
         weights = lerobot_state_dict(model)
         missing, unexpected = self.policy.load_state_dict(weights, strict=False)
         # LeRobot's expert keeps an LM head no action reads; PaliGemma's is tied to the embedding
@@ -176,6 +182,16 @@ class LeRobotPeer:
             self.policy.config.tokenizer_max_length
         )
 
+    @contextlib.contextmanager
+    def _precision(self):
+        """LeRobot's float32 matmul precision while it runs, the caller's afterwards."""
+        ours = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.matmul_precision)
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(ours)
+
     @torch.no_grad()
     def act_ms(self, batch: dict[str, torch.Tensor]) -> float:
         """One `predict_action_chunk`, wall clock (device synchronized before and after)."""
@@ -183,7 +199,8 @@ class LeRobotPeer:
         if cuda:
             torch.cuda.synchronize(self.device)
         t = time.perf_counter()
-        chunk = self.policy.predict_action_chunk(batch)
+        with self._precision():
+            chunk = self.policy.predict_action_chunk(batch)
         if cuda:
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t) * 1e3
@@ -199,7 +216,8 @@ class LeRobotPeer:
         images, image_masks = self.policy._preprocess_images(batch)  # noqa: SLF001
         tokens, masks = batch[OBS_LANGUAGE_TOKENS], batch[OBS_LANGUAGE_ATTENTION_MASK]
         noise = noise.to(self.device, torch.float32)[None]
-        out = self.policy.model.sample_actions(images, image_masks, tokens, masks, noise=noise)
+        with self._precision():
+            out = self.policy.model.sample_actions(images, image_masks, tokens, masks, noise=noise)
         return out[0].float()
 
 
