@@ -213,6 +213,16 @@ def ratio(baseline: Sequence[float], candidate: Sequence[float]) -> float:
     return statistics.median(baseline) / statistics.median(candidate)
 
 
+def execute(args: argparse.Namespace, argv, run: Callable, report: Callable) -> int:
+    """A bench's main after parsing: start the environment, `run(args, env)` -> result,
+    `report(result)`, write the JSON (--json); 0."""
+    env = Environment.start(args, argv)
+    result = run(args, env)
+    report(result)
+    finish(result, env, args.json)
+    return 0
+
+
 def finish(result: dict, env: Environment, path: str | None) -> dict:
     """Attach the environment to `result`, write it as JSON if `path`, return it."""
     out = {**result, "environment": env.record()}

@@ -361,11 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     args = harness.parse(p, argv)
     if args.peer_compile and not args.peer:
         p.error("--peer-compile needs --peer lerobot")
-    env = harness.Environment.start(args, argv)
-    result = run(args, env)
-    report(result)
-    harness.finish(result, env, args.json)
-    return 0
+    return harness.execute(args, argv, run, report)
 
 
 if __name__ == "__main__":

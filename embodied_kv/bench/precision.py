@@ -125,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=0, help="seeds per camera count (0: 2 / 4)")
     p.add_argument("--layers", type=int, default=0, help="depth override (0: the preset's)")
     args = harness.parse(p, argv)
-    env = harness.Environment.start(args, argv)
-    result = run(args, env)
-    report(result)
-    harness.finish(result, env, args.json)
-    return 0
+    return harness.execute(args, argv, run, report)
 
 
 if __name__ == "__main__":
