@@ -6,6 +6,8 @@
 # (scripts/peer_wheels.sh, docs/gpu.md).
 # Usage: scripts/lerobot_cpu_check.sh [JSON [more bench latency arguments]], e.g.
 #   scripts/lerobot_cpu_check.sh out/c.json --peer-compile default --cameras 2
+# or, the chunks alone (no timing, ~2 minutes; test/model/test_lerobot_parity.py):
+#   scripts/lerobot_cpu_check.sh --agreement out/a.json
 #
 # A side venv (.peer_cpu_venv/, ignored) reads .venv's packages and adds:
 #  * the device's wheels (DEVICE_WHEELS), huggingface_hub < 2 (transformers 5.5 refuses 2.x)
@@ -16,6 +18,8 @@
 #    fake-op registrations are skipped (LeRobot imports torchvision.io, calls no op).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+MODE=bench
+if [ "${1:-}" = "--agreement" ]; then MODE=agreement; shift; fi
 OUT=${1:-$ROOT/out/latency_lerobot_cpu.json}
 shift || true
 VENV=$ROOT/.peer_cpu_venv
@@ -49,6 +53,10 @@ mkdir -p "$(dirname "$OUT")"
 cd "$ROOT"
 # the peer must import here, or the bench would run ours alone
 PYTHONPATH=$ROOT "$VENV/bin/python" -c "from lerobot.policies.pi05.modeling_pi05 import PI05Policy"
+if [ "$MODE" = agreement ]; then
+  exec env PYTHONPATH="$ROOT" OMP_NUM_THREADS=2 "$VENV/bin/python" -m embodied_kv.bench.lerobot_peer \
+    --layers 1 --json "$OUT"
+fi
 PYTHONPATH=$ROOT OMP_NUM_THREADS=2 "$VENV/bin/python" -m embodied_kv.cli bench latency \
   --preset pi05 --layers 1 --allow-cpu-pi05 --threads 2 --repeats 3 --peer lerobot --json "$OUT" \
   "$@"

@@ -246,3 +246,43 @@ def agreement(peer: LeRobotPeer, obs, seed: int = 7) -> dict:
         "max_abs_diff": float((ours - theirs).abs().max()),
         "chunk_rms": float(ours.pow(2).mean().sqrt()),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m embodied_kv.bench.lerobot_peer [--layers N] [--json PATH]`: LeRobot's chunk
+    against ours at pi0.5's widths on this machine's CPU, 2 and 3 cameras (fp32), without
+    timing anything (scripts/lerobot_cpu_check.sh --agreement; test_lerobot_parity.py)."""
+    import argparse
+    import json
+    import sys
+
+    from embodied_kv.bench.latency import observation
+    from embodied_kv.model.config import get_preset
+    from embodied_kv.model.vla import build_model
+
+    p = argparse.ArgumentParser(prog="python -m embodied_kv.bench.lerobot_peer")
+    p.add_argument("--layers", type=int, default=1, help="backbone, expert and SigLIP depth")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    cfg = get_preset("pi05", args.layers, args.layers)
+    why = why_not(cfg)
+    if why is not None:
+        print(f"lerobot_peer: {why}", file=sys.stderr)
+        return 2
+    model = build_model(cfg, "cpu", torch.float32)
+    peer = LeRobotPeer(model, 2)
+    rows = []
+    for cams in (2, 3):
+        peer.set_cameras(cams)
+        row = {"cameras": cams, **agreement(peer, observation(cfg, cams, 9))}
+        rows.append(row)
+        print(f"{cams} cameras: LeRobot's chunk vs ours: max |diff| {row['max_abs_diff']:.3g} "
+              f"(our chunk's rms {row['chunk_rms']:.3g})")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"pinned": PINNED, "layers": args.layers, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
