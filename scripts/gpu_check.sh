@@ -22,10 +22,10 @@ if [ -z "$py" ]; then
   exit 2
 fi
 cd "$ROOT"
-# LeRobot's wheels, where a device call carried them (scripts/peer_wheels.sh): installed into
-# a folder of their own, read only by the peer's steps (transformers 5.5 there, the machine's
-# own elsewhere)
-if ls "$ROOT"/.peer_wheels/lerobot-*.whl >/dev/null 2>&1; then
+# LeRobot's wheels, where a device call carried them (scripts/peer_wheels.sh) and torch sees
+# CUDA (the steps that read them run on a GPU alone): installed into a folder of their own,
+# read only by the peer's steps (transformers 5.5 there, the machine's own elsewhere)
+if ls "$ROOT"/.peer_wheels/lerobot-*.whl >/dev/null 2>&1 && probe "$py" "torch.cuda.is_available()"; then
   site=${TMPDIR:-/tmp}/embodied_kv_peer_site
   if "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
       "$ROOT"/.peer_wheels/*.whl; then
