@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, pow2, tl, triton, use_kernel
 
 MAX_WIDTH = 16_384
@@ -128,6 +128,8 @@ def add_layer_norm(
     x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere."""
-    on = use_kernel(x, y, weight, bias) and x.dim() == 2 and x.shape[-1] <= MAX_WIDTH
-    return dispatch("add_layer_norm", on, lambda: add_layer_norm_kernel(x, y, weight, bias, eps),
-                    lambda: add_layer_norm_ref(x, y, weight, bias, eps))  # fmt: skip
+    if use_kernel(x, y, weight, bias) and x.dim() == 2 and x.shape[-1] <= MAX_WIDTH:
+        out = try_kernel("add_layer_norm", add_layer_norm_kernel, x, y, weight, bias, eps)
+        if out is not None:
+            return out
+    return add_layer_norm_ref(x, y, weight, bias, eps)

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     KERNEL_DTYPES,
@@ -276,6 +276,8 @@ def attn_stats(
     q: torch.Tensor, k: torch.Tensor, scale: float, threshold: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch: the kernel on CUDA, the reference elsewhere (the CPU path)."""
-    return dispatch("attn_stats", use_kernel(q, k),
-                    lambda: attn_stats_kernel(q, k, scale, threshold),
-                    lambda: attn_stats_ref(q, k, scale, threshold))  # fmt: skip
+    if use_kernel(q, k):
+        stats = try_kernel("attn_stats", attn_stats_kernel, q, k, scale, threshold)
+        if stats is not None:
+            return stats
+    return attn_stats_ref(q, k, scale, threshold)

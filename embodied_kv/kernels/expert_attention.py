@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from embodied_kv.kernels.decode_splitk import MAX_SPLITS, MIN_SPLITS, plan_reduce, workspace
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
 from embodied_kv.kernels.triton_base import (
     LOG2E,
@@ -391,6 +391,9 @@ def expert_attention_kernel(
 def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None) -> torch.Tensor:
     """Dispatch: the Triton kernel (one launch, fused reduce) on CUDA, the reference
     elsewhere. `work`: an `expert_workspace` for these shapes, reused across calls."""
-    return dispatch("expert_attention", use_kernel(q, kp, vp, ks, vs),
-                    lambda: expert_attention_kernel(q, kp, vp, ks, vs, scale, bias, work),
-                    lambda: expert_attention_ref(q, kp, vp, ks, vs, scale, bias))  # fmt: skip
+    if use_kernel(q, kp, vp, ks, vs):
+        out = try_kernel("expert_attention", expert_attention_kernel, q, kp, vp, ks, vs, scale,
+                         bias, work)  # fmt: skip
+        if out is not None:
+            return out
+    return expert_attention_ref(q, kp, vp, ks, vs, scale, bias)

@@ -9,17 +9,16 @@ reference runs, now and at every later call. The robot keeps acting, slower in t
 `Engine.diagnostics()` and `bench latency` report what is off. Only Triton's own errors are
 taken this way (their class is defined in a `triton` module); a mistake of ours still raises.
 
-Every dispatcher (`rope`, `expert_attention`, ...) goes through `dispatch`.
+Every dispatcher (`rope`, `expert_attention`, ...) runs its kernel through `try_kernel`
+and its reference when that gives None; where no kernel applies (a CPU) nothing here runs.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TypeVar
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 OFF: dict[str, str] = {}  # op -> why its kernel is off in this process
 
 
@@ -28,16 +27,17 @@ def from_triton(e: BaseException) -> bool:
     return any(c.__module__.split(".")[0] == "triton" for c in type(e).__mro__)
 
 
-def dispatch(op: str, on: bool, kernel: Callable[[], T], ref: Callable[[], T]) -> T:
-    """`kernel()` when `on` (the op's dispatch rule, `use_kernel`) and the op's kernel is not
-    off; `ref()` otherwise, and when the kernel raises a Triton error (the op is then off)."""
-    if on and op not in OFF:
-        try:
-            return kernel()
-        except Exception as e:  # noqa: BLE001 - Triton's failures only, re-raised otherwise
-            if not from_triton(e):
-                raise
-            OFF[op] = f"{type(e).__name__}: {str(e).strip()[:300]}"
-            log.warning("the %s kernel cannot run here (%s): its torch reference runs instead",
-                        op, OFF[op])  # fmt: skip
-    return ref()
+def try_kernel(op: str, kernel: Callable, *args, **kwargs):
+    """`kernel(*args, **kwargs)`, or None when the op's kernel is off, or raises a Triton
+    error (the op is then off: the caller runs its reference). A kernel returns tensors."""
+    if op in OFF:
+        return None
+    try:
+        return kernel(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - Triton's failures only, re-raised otherwise
+        if not from_triton(e):
+            raise
+        OFF[op] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+        log.warning("the %s kernel cannot run here (%s): its torch reference runs instead",
+                    op, OFF[op])  # fmt: skip
+        return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, tl, triton, use_kernel
 
 BLOCK = 1024  # elements of one row per program
@@ -85,5 +85,8 @@ def gelu_gate_kernel(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    return dispatch("gelu_gate", use_kernel(gate, up), lambda: gelu_gate_kernel(gate, up),
-                    lambda: gelu_gate_ref(gate, up))  # fmt: skip
+    if use_kernel(gate, up):
+        out = try_kernel("gelu_gate", gelu_gate_kernel, gate, up)
+        if out is not None:
+            return out
+    return gelu_gate_ref(gate, up)

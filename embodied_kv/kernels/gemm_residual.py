@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     KERNEL_DTYPES,
@@ -346,6 +346,8 @@ def linear_gated_residual(
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere. `work`: a
     `workspace(N, W, gemm_config(N, W, K, dtype), device)` kept by the caller (else one is
     allocated per call)."""
-    return dispatch("linear_gated_residual", use_kernel(h, x, w, gate),
-                    lambda: linear_gated_residual_kernel(h, x, w, gate, work),
-                    lambda: linear_gated_residual_ref(h, x, w, gate))  # fmt: skip
+    if use_kernel(h, x, w, gate):
+        out = try_kernel("linear_gated_residual", linear_gated_residual_kernel, h, x, w, gate, work)
+        if out is not None:
+            return out
+    return linear_gated_residual_ref(h, x, w, gate)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.gelu_gate import gelu_gate_ref
 from embodied_kv.kernels.norm_prologue import (
     BLOCK_K,
@@ -136,11 +136,12 @@ def norm_gate_up_kernel(h, scale1, shift, eps: float, w_gate_up, hidden: int) ->
 
 def norm_gate_up(h, scale1, shift, eps: float, w_gate_up, hidden: int) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere."""
-    return dispatch(
-        "norm_gate_up", use_kernel(h, scale1, shift, w_gate_up),
-        lambda: norm_gate_up_kernel(h, scale1, shift, eps, w_gate_up, hidden),
-        lambda: norm_gate_up_ref(h, scale1, shift, eps, w_gate_up, hidden),
-    )  # fmt: skip
+    if use_kernel(h, scale1, shift, w_gate_up):
+        out = try_kernel("norm_gate_up", norm_gate_up_kernel, h, scale1, shift, eps, w_gate_up,
+                         hidden)  # fmt: skip
+        if out is not None:
+            return out
+    return norm_gate_up_ref(h, scale1, shift, eps, w_gate_up, hidden)
 
 
 def pi05_launches(dtype: torch.dtype = torch.bfloat16) -> list[Launch]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.norm_prologue import (
     BLOCK_K,
     PI05_EXPERT,
@@ -181,11 +181,12 @@ def norm_qkv_rope_kernel(h, scale1, shift, eps: float, w_qkv, sizes, cos, sin):
 
 def norm_qkv_rope(h, scale1, shift, eps: float, w_qkv, sizes, cos, sin):
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere."""
-    return dispatch(
-        "norm_qkv_rope", use_kernel(h, scale1, shift, w_qkv),
-        lambda: norm_qkv_rope_kernel(h, scale1, shift, eps, w_qkv, sizes, cos, sin),
-        lambda: norm_qkv_rope_ref(h, scale1, shift, eps, w_qkv, sizes, cos, sin),
-    )  # fmt: skip
+    if use_kernel(h, scale1, shift, w_qkv):
+        out = try_kernel("norm_qkv_rope", norm_qkv_rope_kernel, h, scale1, shift, eps, w_qkv,
+                         sizes, cos, sin)  # fmt: skip
+        if out is not None:
+            return out
+    return norm_qkv_rope_ref(h, scale1, shift, eps, w_qkv, sizes, cos, sin)
 
 
 def pi05_launches(dtype: torch.dtype = torch.bfloat16) -> list[Launch]:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from embodied_kv.kernels.decode_splitk import plan_splitk
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.prefill_tile import plan_tile
 from embodied_kv.kernels.triton_base import (  # triton is None where it is not installed
     INTERPRETED,
@@ -391,10 +391,10 @@ def packed_attention(
 ) -> torch.Tensor:
     """Dispatch: the Triton kernels on CUDA (into `out` when given), the reference elsewhere
     (with `plan` when the caller made one for these runs and lengths)."""
-    def ref() -> torch.Tensor:
-        o = packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host, plan)
-        return o if out is None else out.copy_(o)
-
-    return dispatch("packed_attention", use_kernel(q, k_cache, v_cache),
-                    lambda: packed_attention_kernel(q, k_cache, v_cache, slot, kv_len, scale,
-                                                    out=out), ref)  # fmt: skip
+    if use_kernel(q, k_cache, v_cache):
+        o = try_kernel("packed_attention", packed_attention_kernel, q, k_cache, v_cache, slot,
+                       kv_len, scale, out=out)  # fmt: skip
+        if o is not None:
+            return o
+    o = packed_attention_ref(q, k_cache, v_cache, slot, kv_len, scale, runs, kv_len_host, plan)
+    return o if out is None else out.copy_(o)

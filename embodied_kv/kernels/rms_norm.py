@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     Launch,
@@ -146,6 +146,8 @@ def rms_norm(
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
     w = x.shape[-1]  # the kernel takes one [W] scale (and shift) for all rows
     per_row = mult.shape != (w,) or (shift is not None and shift.shape != (w,))
-    return dispatch("rms_norm", use_kernel(x, mult, shift) and not per_row,
-                    lambda: rms_norm_kernel(x, mult, eps, shift, add_one),
-                    lambda: rms_norm_ref(x, mult, eps, shift, add_one))  # fmt: skip
+    if use_kernel(x, mult, shift) and not per_row:
+        out = try_kernel("rms_norm", rms_norm_kernel, x, mult, eps, shift, add_one)
+        if out is not None:
+            return out
+    return rms_norm_ref(x, mult, eps, shift, add_one)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from embodied_kv.kernels.fallback import dispatch
+from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     Launch,
@@ -117,5 +117,8 @@ def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA, the reference elsewhere."""
-    return dispatch("rope", use_kernel(x), lambda: rope_kernel(x, cos, sin),
-                    lambda: rope_ref(x, cos, sin))  # fmt: skip
+    if use_kernel(x):
+        out = try_kernel("rope", rope_kernel, x, cos, sin)
+        if out is not None:
+            return out
+    return rope_ref(x, cos, sin)
