@@ -25,11 +25,10 @@ steps that have a dry form at --preset tiny on the CPU and checks their JSON fie
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from embodied_kv.bench.mechanisms import missing_fields
+from embodied_kv.bench.mechanisms import missing_fields, read_result
 
 PEER_COMPILE = "default"  # LeRobot's own default, max-autotune, autotunes for many minutes
 DRY_BUDGET_S = 240.0
@@ -106,10 +105,9 @@ def check(step: Step, out: Path, dry: bool) -> str | None:
     if not fields:
         return None
     path = out / f"{step.name}.json"
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        return f"{path.name}: {type(e).__name__}: {e}"
+    result, problem = read_result(path)
+    if problem:
+        return problem
     missing = missing_fields(result, fields)
     off = result.get("kernels_off") if isinstance(result, dict) else None
     if off:  # ran, but some fused ops on their torch references: not the product's speed

@@ -303,13 +303,13 @@ def report(result: dict) -> None:
 
 
 def report_peer(result: dict) -> None:
-    """LeRobot's rows (bench/lerobot_peer.py), and LOSS where it is faster than our graphs."""
+    """LeRobot's rows (bench/lerobot_peer.py), and LOSS where it is faster than our path;
+    a LeRobot that failed part-way keeps the rows it measured before."""
     peer = result.get("peer")
     if not peer:
         return
     if peer["unavailable"]:
         print(f"peer LeRobot {peer['pinned']}: not measured: {peer['unavailable']}")
-        return
     for r in result["rows"]:
         for name in ("lerobot", "lerobot_compiled"):
             if f"{name}_ms" not in r:

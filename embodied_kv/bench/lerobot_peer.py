@@ -9,11 +9,11 @@ to `tokenizer_max_length` with an attention mask as LeRobot's processor pads the
 its own noise; `chunk` takes ours, so that its chunk can be compared with ours.
 
 LeRobot 0.6.1 needs Python >= 3.12 and transformers 5.4-5.5: it is not a dependency of this
-package. `scripts/peer_wheels.sh` downloads the wheels a GPU machine lacks into `.whl/`;
-`scripts/gpu_check.sh` installs them into a folder of their own that only this step's process
-reads (docs/gpu.md). At a reduced depth (`--layers`, a CPU check of the code path) LeRobot's
-Gemma and SigLIP depths are replaced while its model is built (`_depths`); at pi0.5's
-depths nothing of LeRobot's is touched.
+package. `scripts/peer_wheels.sh` downloads the wheels a GPU machine lacks into
+`.peer_wheels/`; `scripts/gpu_check.sh` installs them into a folder of their own that only
+the steps running LeRobot read (docs/gpu.md). At a reduced depth (`--layers`, a CPU check
+of the code path) LeRobot's Gemma and SigLIP depths are replaced while its model is built
+(`_depths`); at pi0.5's depths nothing of LeRobot's is touched.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.model.checkpoint import lerobot_state_dict
 from embodied_kv.model.config import PRESETS, ModelConfig
 
@@ -177,10 +178,7 @@ class LeRobotPeer:
 
     def prefix_rows(self) -> int:
         """Rows LeRobot's prefill computes: every camera's image tokens and the padded prompt."""
-        c = self.cfg
-        return self.cams * (c.vision.image_size // c.vision.patch_size) ** 2 + (
-            self.policy.config.tokenizer_max_length
-        )
+        return self.cams * self.cfg.vision.tokens + self.policy.config.tokenizer_max_length
 
     @contextlib.contextmanager
     def _precision(self):
@@ -228,7 +226,7 @@ def our_chunk(model, obs, noise: torch.Tensor) -> torch.Tensor:
     try:
         prefix = model.embed_prefix(obs)
         n = prefix.embeds.shape[0]
-        arena = model.new_arena(1, -(-(n + model.cfg.action_horizon) // 64) * 64)
+        arena = model.new_arena(1, -(-(n + model.cfg.action_horizon) // KEY_BLOCK) * KEY_BLOCK)
         slot = arena.allocate()
         model.prefill(arena, slot, prefix)
         return model.sample_actions(arena, slot, n, noise).float()

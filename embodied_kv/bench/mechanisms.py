@@ -95,12 +95,19 @@ def missing_fields(result: dict, fields: tuple[str, ...]) -> list[str]:
     return missing
 
 
+def read_result(path: Path) -> tuple[object, str | None]:
+    """A step's JSON -> (result, None), or (None, why it cannot be read)."""
+    try:
+        return json.loads(path.read_text()), None
+    except (OSError, ValueError) as e:
+        return None, f"{path.name}: {type(e).__name__}: {e}"
+
+
 def check(bench: Bench, out: Path, dry: bool) -> str | None:
     """None if the bench's JSON is there with every promised field, else why not."""
     path = out / f"{bench.name}.json"
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        return f"{path.name}: {type(e).__name__}: {e}"
+    result, problem = read_result(path)
+    if problem:
+        return problem
     missing = missing_fields(result, bench.fields + (() if dry else bench.gpu_fields))
     return f"{path.name} lacks {', '.join(missing)}" if missing else None
