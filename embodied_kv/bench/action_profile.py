@@ -38,6 +38,7 @@ CUDA_TESTS = (
     "test/kernels/test_row_bucket.py", "test/engine/test_frame_loop.py",
     "test/model/test_expert_step.py", "test/model/test_vision_fast.py",
     "test/kernels/test_expert_attention.py", "test/model/test_rtc.py",
+    "test/model/test_camera_frames.py",
 )  # fmt: skip
 
 

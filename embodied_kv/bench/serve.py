@@ -8,11 +8,14 @@ how many actions per second several clients get, beside openpi's own server desi
                 the server's msgpack of that frame and that reply as the server timed
                 them in place (server_timing unpack_ms, prev_pack_ms: a cold frame's
                 unpack costs several times a warm loop's, which is also reported). What
-                is left is the server's: the layout's image conversion, the cycle's
-                tail, the websocket send (a loopback syscall that wakes the client:
-                ~0.13 ms). Also against the same frame handled by a direct call
-                (ServePolicy.handle, no socket): the socket path alone. Goal: <= 0.5 ms
-                (the issue's, on this CPU).
+                is left is the server's: the layout's checks, the cycle's tail, the
+                websocket send (a loopback syscall that wakes the client: ~0.13 ms).
+                The images' conversion is the model's, inside the action latency
+                (camera frames -> chunk: model/camera_frames.py), as openpi's server
+                times its input transforms inside infer_ms; reported apart
+                (`image_conversion_ms`, warm loop). Also against the same frame
+                handled by a direct call (ServePolicy.handle, no socket): the socket
+                path alone. Goal: <= 0.5 ms (the issue's, on this CPU).
     throughput  N = 1, 2, 4 clients, back to back for a fixed time (in rounds, the
                 designs' order rotating, as the overhead rounds) -> actions/s, for
                 ours (one engine, N connections), openpi's design with one server and N
@@ -104,6 +107,19 @@ def serialisation_ms(msg: dict, reply: dict, repeats: int) -> dict[str, float]:
     return {"server": statistics.median(server), "client": statistics.median(client)}
 
 
+def conversion_ms(policy: ServePolicy, msg: dict, repeats: int) -> float:
+    """The two images' conversion to the model's input as the engine does it on this
+    device (inside its action latency), in a warm loop: median ms."""
+    frames = policy.observation(msg).images
+    present = frames.present()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        frames.to_input(present, policy.engine.model.device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
 def overhead(pool, ports: dict[str, int], policy: ServePolicy, msg: dict, rounds: int,
              k: int) -> dict:  # fmt: skip
     """Interleaved rounds of k sequential requests per design, and k direct calls."""
@@ -117,6 +133,7 @@ def overhead(pool, ports: dict[str, int], policy: ServePolicy, msg: dict, rounds
                     t = time.perf_counter()
                     reply = policy.handle(session, msg)
                     ms = (time.perf_counter() - t) * 1e3
+                    policy.after_reply(session)  # as the servers do, after the reply
                     rows[name].append({"rtt_ms": ms, "action_ms": reply["action_latency_ms"]})
             else:
                 rows[name] += pool.submit(serve_clients.requests, ports[name], msg, k).result()
@@ -167,6 +184,7 @@ def main(argv=None) -> int:
         rows = overhead(pool, ports, ServePolicy(engines[1], cfg), msg, rounds, k)
         reply = policies[0].handle(Session(), msg) | {"server_timing": {"infer_ms": 1.0}}
         serial = serialisation_ms(msg, reply, 50 if args.quick else 200)
+        serial["image_conversion_in_engine"] = conversion_ms(policies[0], msg, 50)
         harness.progress(env, f"throughput: {CLIENTS} clients, {seconds} s each")
         tput = throughput(pool, {
             "ours": lambda n: [ours.port] * n,
@@ -238,7 +256,9 @@ def report(r: dict) -> None:
     print(f"bench serve ({r['preset']}, {r['layout']}); msgpack of the arrays in a warm "
           f"loop: server {ser['server']:.3f} ms, client {ser['client']:.3f} ms; the server's "
           f"in place (cold, subtracted from its overhead): ours "
-          f"{r['overhead']['ours']['server_msgpack_in_place_ms']:.3f} ms")  # fmt: skip
+          f"{r['overhead']['ours']['server_msgpack_in_place_ms']:.3f} ms; the images' "
+          f"conversion, inside the engine's action latency (warm loop): "
+          f"{ser['image_conversion_in_engine']:.3f} ms")  # fmt: skip
     o = r["overhead"]
     rows = [[name, o[name]["requests"], o[name]["rtt_ms"], o[name]["action_latency_ms"],
              o[name]["server_overhead_ms"], o[name]["client_path_ms"],
@@ -247,7 +267,7 @@ def report(r: dict) -> None:
                  "client path ms", "rtt - direct call ms"], rows)  # fmt: skip
     print(
         f"direct call (no socket): {o['direct']['rtt_ms']:.2f} ms, of it beyond the engine's "
-        f"action (image conversion, cycle tail) {o['direct']['handle_beyond_engine_ms']:.3f} ms"
+        f"action (the layout's checks, cycle tail) {o['direct']['handle_beyond_engine_ms']:.3f} ms"
     )
     print()
     print_table(["design", "clients", "chunks/s", "actions/s", "ours / this"],

@@ -1,9 +1,9 @@
 """The servers `bench serve` compares, each run by a thread of its own (ServerThread).
 
     ours        serve/server.py PolicyServer: websockets' synchronous server, a thread
-                per connection that unpacks, takes the engine's turn (conversion and
-                engine work), packs and sends; other connections' threads do their I/O
-                meanwhile
+                per connection that unpacks, takes the engine's turn (the layout's
+                checks and the engine cycle), packs and sends; other connections'
+                threads do their I/O meanwhile
     openpi      openpi's WebsocketPolicyServer design (src/openpi/serving/
                 websocket_policy_server.py) over the same ServePolicy: the handler calls
                 the policy on the event loop, so while one frame is computed no other
@@ -63,6 +63,8 @@ class OpenpiDesignServer:
                 await ws.send(reply)
                 prev = {"prev_total_ms": (time.monotonic() - start) * 1e3,
                         "prev_pack_ms": (packed - t_pack) * 1e3}  # fmt: skip
+                if "actions" in action:
+                    self.policy.after_reply(session)  # as ours: the same engine code
         except websockets.ConnectionClosed:
             pass
         finally:

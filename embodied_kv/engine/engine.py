@@ -228,6 +228,15 @@ class Engine:
             result.events[:0] = self.take_events()
             return result
 
+    def draw_noise_ahead(self, frame: int | None = None) -> None:
+        """Draw the noise of `frame` (default: the next) now, off its action path, where
+        the frame loop's `draw_ahead` is off. A cycle of another frame draws its own: the
+        same bytes either way (engine/noise_ahead.py)."""
+        with self.lock:
+            seed = self.cfg.seed + (self.frame if frame is None else frame)
+            if self.loop.noise.seed != seed:
+                self.loop.noise.draw(seed)
+
     def _undo_cycle(self, before: set[int]) -> None:
         """Release every slot the failed cycle took that no request holds."""
         arena = self.manager.arena
@@ -413,7 +422,7 @@ class Engine:
     # -- capsule section of the engine itself: frame and latest observation --------------
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return observation_tensors(self._obs)
+        return observation_tensors(self._obs, self.model.device)
 
     def state_meta(self) -> dict:
         obs = observation_meta(self._obs)

@@ -83,6 +83,9 @@ class FrameLoop:
         # every timed region waits for the device's queued work (embodied_kv/timing.py)
         self.clock = clock or device_clock(self.model.device)  # also sets self.watch
         self.noise = NoiseAhead(c.action_horizon, c.action_dim, self.model.device)
+        # the next frame's noise is drawn at the end of a cycle; False: by the caller, when
+        # it has sent the chunk on (Engine.draw_noise_ahead: `embodied-kv serve`)
+        self.draw_ahead = True
         self.cost = StepCost(cfg.cost_ema)
         self.counters = LoopCounters()
         self._starved = 0  # cycles in a row that decoded nothing while requests were live
@@ -123,7 +126,8 @@ class FrameLoop:
             t_action = self.clock()
             self.counters.action_late += int(t_action > deadline)
             prefill_s = self.watch.seconds(prefilled)  # the device is done with it by now
-            self.noise.draw(cfg.seed + frame + 1)  # the next frame's, off the action path
+            if self.draw_ahead:
+                self.noise.draw(cfg.seed + frame + 1)  # the next frame's, off the action path
 
             # language tasks of this frame continue from the same prefix (admission.py)
             events = admit(manager, self.policy, fp, self.model.tokenizer, self.planner)

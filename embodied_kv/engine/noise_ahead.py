@@ -29,14 +29,14 @@ class NoiseAhead:
         self.host = torch.empty(horizon, action_dim, pin_memory=pin)  # [H, A] fp32
         self.dev = self.host if device.type == "cpu" else torch.empty_like(self.host, device=device)
         self.seed: int | None = None  # what the buffers hold
+        self._gen = torch.Generator()  # reseeded per draw: a fresh generator's state
         self.hits = 0  # takes served from a draw ahead
         self.misses = 0  # takes drawn on the action path
 
     def draw(self, seed: int) -> None:
         """Draw `seed`'s noise into the buffers. The host buffer is rewritten here: call it
         only after the previous copy out of it is done (after the chunk's host read)."""
-        g = torch.Generator().manual_seed(seed)
-        torch.randn(self.host.shape, generator=g, out=self.host)
+        torch.randn(self.host.shape, generator=self._gen.manual_seed(seed), out=self.host)
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
         self.seed = seed

@@ -6,15 +6,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from embodied_kv.model.camera_frames import CameraFrames
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.vla import Observation
 
 
-def observation_tensors(obs: Observation | None) -> dict[str, torch.Tensor]:
+def observation_tensors(obs: Observation | None, device: torch.device) -> dict[str, torch.Tensor]:
     if obs is None:
         return {}
+    images = obs.images  # camera frames: converted on the model's device, as its prefill
+    if isinstance(images, CameraFrames):
+        images = images.tensor(device)
+    else:
+        images = images.detach().clone()
     out = {
-        "images": obs.images.detach().clone(),  # [num_cameras, 3, S, S]
+        "images": images,  # [num_cameras, 3, S, S]
         "state": torch.from_numpy(np.asarray(obs.state, dtype=np.float64).copy()),  # [<= D]
     }
     if obs.robot_state is not None:  # [S] robot units: what delta actions add to

@@ -24,6 +24,7 @@ from torch import nn
 
 from embodied_kv.kernels.triton_base import as_dtype
 from embodied_kv.model.backbone import GemmaBackbone
+from embodied_kv.model.camera_frames import CameraFrames
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.lazy_logits import LazyLogits
@@ -51,7 +52,9 @@ def denoise_rows(prefix_len: int, max_len: int) -> int:
 
 @dataclass
 class Observation:
-    images: torch.Tensor  # [num_cameras, 3, S, S] in [-1, 1]; rows of absent cameras ignored
+    # [num_cameras, 3, S, S] in [-1, 1], rows of absent cameras ignored; or the cameras'
+    # uint8 frames, converted on the model's device inside embed_prefix (camera_frames.py)
+    images: torch.Tensor | CameraFrames
     state: np.ndarray  # [<= state_dim] state normalised to about [-1, 1] (in the prompt)
     instruction: str
     camera_mask: tuple[bool, ...] | None = None  # None: all cameras present
@@ -124,12 +127,18 @@ class VLA(nn.Module):
                 f"expected {c.num_cameras} camera images and mask entries, got "
                 f"{obs.images.shape[0]} and {len(mask)}"
             )
+        if isinstance(obs.images, CameraFrames) and obs.images.size != c.vision.image_size:
+            raise ValueError(f"camera frames for {obs.images.size} pixels, the model's "
+                             f"are {c.vision.image_size}")  # fmt: skip
         prompt = self.prompt_tokens(obs)
         ids = to_device(torch.tensor(prompt.ids, dtype=torch.long), self.device)
         parts = []
         present = [i for i, m in enumerate(mask) if m]
         if present:
-            imgs = to_device(obs.images[present], self.device)  # the tower casts (fp32)
+            if isinstance(obs.images, CameraFrames):  # converted here: camera -> chunk
+                imgs = obs.images.to_input(present, self.device)
+            else:
+                imgs = to_device(obs.images[present], self.device)  # the tower casts (fp32)
             tokens = self.graphs.vision(imgs) if self.graphs is not None else None
             tokens = self.vision(imgs) if tokens is None else tokens  # graphs off: eager
             parts.append(tokens.reshape(-1, c.backbone.width).to(self.dtype))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from embodied_kv.engine.engine import Engine
 from embodied_kv.engine.events import TextEvent
 from embodied_kv.kv.manager import Status
+from embodied_kv.model.vla import Observation
 from embodied_kv.serve.config import ServeConfig
 from embodied_kv.serve.layouts import get_layout, has_observation, observation
 from embodied_kv.serve.session import Session
@@ -33,6 +34,7 @@ class ServePolicy:
         self.layout = get_layout(cfg.layout)
         c = engine.model.cfg
         self._shape = (c.num_cameras, c.vision.image_size, engine.robot.state_dim)
+        engine.loop.draw_ahead = False  # after the reply is sent instead (after_reply)
 
     def metadata(self) -> dict:
         e, c = self.engine, self.engine.model.cfg
@@ -64,11 +66,7 @@ class ServePolicy:
             raise ValueError(f"no {self.layout.name} observation ({keys}) and no command")
         if not infer and "question" in msg:
             raise ValueError("a question needs an observation to answer from")
-        num_cameras, size, state_dim = self._shape
-        obs = None
-        if infer:  # checked before the command runs: a bad frame changes nothing
-            obs = observation(self.layout, msg, num_cameras, size, state_dim,
-                              self.cfg.max_prompt_chars)  # fmt: skip
+        obs = self.observation(msg) if infer else None  # a bad frame changes nothing
         question = msg.get("question")
         if question is not None and (not isinstance(question, str) or not question
                                      or len(question) > self.cfg.max_prompt_chars):  # fmt: skip
@@ -77,6 +75,13 @@ class ServePolicy:
         if obs is not None:
             out.update(self._infer(session, obs, question))
         return out
+
+    def observation(self, msg: dict) -> Observation:
+        """The frame's observation in robot units, its images CameraFrames (converted by
+        the model inside the cycle); ValueError naming what is wrong."""
+        num_cameras, size, state_dim = self._shape
+        return observation(self.layout, msg, num_cameras, size, state_dim,
+                           self.cfg.max_prompt_chars)  # fmt: skip
 
     def _command(self, session: Session, command: object, name: object) -> dict:
         engine = self.engine
@@ -130,6 +135,11 @@ class ServePolicy:
         if answer is not None:
             out["answer"] = answer
         return out
+
+    def after_reply(self, session: Session) -> None:
+        """A reply is on its way: draw the noise of this session's next frame now, not
+        between its chunk and its reply (a hit when its next frame comes first)."""
+        self.engine.draw_noise_ahead(session.frame)
 
     def _drop_open_work(self) -> None:
         """Back to `episode_start` after a failed frame: a request it queued or admitted

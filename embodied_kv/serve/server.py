@@ -6,13 +6,12 @@ compression off, GET /healthz answered. Unlike it, inference never blocks anothe
 connection's I/O (openpi #717): websockets' synchronous server gives every connection
 its own thread (and websockets a reader thread per connection), which receives a frame
 and unpacks it, takes the engine's turn (one lock: the engine is single-threaded) for
-ServePolicy.handle (the layout's image conversion and the engine work), then packs and
-sends the reply itself. No event loop and no hop to an engine thread and back: torch
-releases the GIL while it computes, so the other connections' threads keep reading,
-unpacking, sending, answering errors and accepting meanwhile. The conversion runs under
-the turn too, as it ran on the former engine thread: beside the engine it contends with
-it for the GIL (every torch op hands it over), and on the 2-core CPU running it beside
-showed no throughput gain.
+ServePolicy.handle (the layout's checks and the engine cycle, whose prefill converts the
+frame's images on the model's device: model/camera_frames.py), then packs and sends the
+reply itself, and only then draws the session's next noise (ServePolicy.after_reply). No
+event loop and no hop to an engine thread and back: torch releases the GIL while it
+computes, so the other connections' threads keep reading, unpacking, sending, answering
+errors and accepting meanwhile.
 
 server_timing: infer_ms (ServePolicy.handle), queue_ms (the wait for the engine's
 turn), unpack_ms (msgpack of this frame), prev_total_ms (the previous request of this
@@ -111,6 +110,8 @@ class PolicyServer:
                 ws.send(reply)
                 prev = {"prev_total_ms": (time.perf_counter() - t0) * 1e3,
                         "prev_pack_ms": (packed - t_pack) * 1e3}  # fmt: skip
+                if "actions" in response:
+                    self.policy.after_reply(session)  # the next frame's noise
         except websockets.ConnectionClosed:
             pass
         finally:

@@ -35,3 +35,23 @@ def test_failed_cycles_leave_nothing_behind(serve_helpers, monkeypatch):
     reply = policy.handle(session, msg)
     assert reply["frame"] == 0 and reply["actions"].tobytes() == want[0].tobytes()
     assert policy.handle(session, msg)["actions"].tobytes() == want[1].tobytes()
+
+
+def test_the_next_noise_is_drawn_after_the_reply_with_the_same_bytes(serve_helpers):
+    """ServePolicy moves the draw of a session's next noise from the cycle's tail to after
+    its reply (after_reply): the next frame takes it without drawing, and the chunks are
+    the engine's own, whether after_reply ran or another session's frame came between."""
+    engine = serve_helpers.reference_engine("tiny")
+    msg, obs = serve_helpers.request("libero", engine)
+    want = serve_helpers.chunks(engine, obs, 3)  # the robot's loop: drawn in the cycle
+    policy = ServePolicy(engine, ServeConfig())
+    assert not engine.loop.draw_ahead
+    noise, session, other = engine.loop.noise, Session(), Session()
+    assert policy.handle(session, msg)["actions"].tobytes() == want[0].tobytes()
+    policy.after_reply(session)
+    hits = noise.hits
+    assert policy.handle(session, msg)["actions"].tobytes() == want[1].tobytes()
+    assert noise.hits == hits + 1  # drawn after the reply, not on the action path
+    policy.after_reply(session)
+    assert policy.handle(other, msg)["actions"].tobytes() == want[0].tobytes()  # a miss
+    assert policy.handle(session, msg)["actions"].tobytes() == want[2].tobytes()

@@ -71,9 +71,10 @@ def test_droid_scalar_gripper_float_chw_images():
     obs = observation(get_layout("droid"), msg, 2, S, STATE, 400)
     assert obs.state.tolist() == [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.5]
     assert obs.instruction == "stack the cups" and obs.camera_mask is None
-    assert torch.equal(obs.images[0], rgb_to_input(a, S))
+    images = obs.images.tensor()  # the model converts them (camera_frames.py)
+    assert torch.equal(images[0], rgb_to_input(a, S))
     back = (255 * (b.astype(np.float32) / 255.0)).astype(np.uint8)  # openpi's conversion
-    assert torch.equal(obs.images[1], rgb_to_input(back, S))
+    assert torch.equal(images[1], rgb_to_input(back, S))
 
 
 def test_aloha_optional_cameras_are_masked_and_unknown_ones_refused():
@@ -81,7 +82,8 @@ def test_aloha_optional_cameras_are_masked_and_unknown_ones_refused():
     msg = {"images": {"cam_high": chw, "cam_low": chw}, "state": np.zeros(STATE)}
     obs = observation(get_layout("aloha"), msg, 3, S, STATE, 400)
     assert obs.camera_mask == (True, False, False)
-    assert torch.equal(obs.images[1], torch.zeros(3, S, S)) and obs.instruction == ""
+    assert obs.images.frames[1] is None and obs.images.frames[2] is None
+    assert torch.equal(obs.images.tensor()[1], torch.zeros(3, S, S)) and obs.instruction == ""
     msg["images"]["cam_top"] = chw
     with pytest.raises(ValueError, match="unknown cameras \\['cam_top'\\]"):
         observation(get_layout("aloha"), msg, 3, S, STATE, 400)
@@ -99,6 +101,7 @@ def test_aloha_optional_cameras_are_masked_and_unknown_ones_refused():
         ({"observation/image": np.zeros((4, 4, 4), np.uint8)}, "shape \\(4, 4, 4\\)"),
         ({"observation/image": np.zeros((5000, 4, 3), np.uint8)}, "each side 1..4096"),
         ({"observation/image": [1, 2]}, "expected an image array"),
+        ({"observation/image": np.zeros((1, 4096, 3), np.uint8)}, "resize to nothing"),
         ({"prompt": "x" * 401}, "401 characters > 400"),
         ({"prompt": b"\xff"}, "not UTF-8"),
     ],
