@@ -57,16 +57,17 @@ class Step:
 
 LATENCY = ("-m", "embodied_kv.cli", "bench", "latency")
 PI05 = ("--preset", "pi05", "--device", "cuda")
+FRAMES = "480x640"  # a common robot camera: camera frames -> chunk, resized on the device
 TINY = ("--preset", "tiny", "--device", "cpu")
 PROFILE = (
     Step("latency",
          (*LATENCY, *PI05, "--quick", "--breakdown", "--kernels", "--peer", "lerobot",
-          "--json", "{out}/latency.json"),
+          "--frames", FRAMES, "--json", "{out}/latency.json"),
          (*LATENCY, *TINY, "--quick", "--repeats", "2", "--breakdown", "--kernels", "--peer",
-          "lerobot", "--json", "{out}/latency.json"),
+          "lerobot", "--frames", FRAMES, "--json", "{out}/latency.json"),
          170.0,
          ("rows.0.graphs_ms.median", "rows.0.breakdown_ms.denoise", "rows.0.kernels.rows.0.name",
-          "peer.pinned"),
+          "peer.pinned", "rows.0.graphs_frames_ms.median"),
          ("rows.0.limit_ms", "rows.1.breakdown_ms.denoise", "rows.1.kernels.rows.0.name",
           "rows.0.lerobot_ms.median", "rows.0.lerobot_over_ours",
           "rows.0.lerobot_vs_ours.max_abs_diff"), peer=True),

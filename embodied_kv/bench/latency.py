@@ -26,6 +26,11 @@ same dims, weights and prefix, `predict_action_chunk` timed in the same rounds (
 --peer-compile MODE also under its `torch.compile` option), and its chunk against ours for
 the same noise. Where LeRobot cannot be imported the result says why and the rest runs.
 
+--frames HxW: also the graphs engine fed the cameras' uint8 frames of that size
+(`graphs_frames`: CameraFrames, converted and resized on the device inside the cycle, as
+`embodied-kv serve` feeds it), against the same engine fed converted images: camera
+frames to chunk, the conversion included.
+
 --breakdown: afterwards, a separate pass over the graphs engine times each region of the
 action (vision, prefix embedding, prefill, denoise, host): bench/latency_breakdown.py.
 --kernels: then a profiler pass, the top kernels by device time: bench/kernel_profile.py.
@@ -34,10 +39,12 @@ action (vision, prefix embedding, prefill, denoise, host): bench/latency_breakdo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from embodied_kv.bench import harness, kernel_profile, latency_breakdown, lerobot_peer, limit
@@ -45,10 +52,11 @@ from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
 from embodied_kv.kernels import fallback
+from embodied_kv.model.camera_frames import CameraFrames
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.rtc import GUIDANCE, RTCConfig
 from embodied_kv.model.synthetic import synthetic_observation
-from embodied_kv.model.vla import build_model
+from embodied_kv.model.vla import Observation, build_model
 
 GOAL_X_LIMIT = 1.5
 KERNEL_CYCLES = 5  # control cycles under the profiler, per camera count (--kernels)
@@ -70,6 +78,16 @@ def observation(cfg, cams: int, seed: int):
     return synthetic_observation(cfg, seed, INSTRUCTION, mask)
 
 
+def camera_frames(obs, hw: tuple[int, int], seed: int) -> Observation:
+    """`obs` with its present cameras as uint8 frames of `hw` pixels (seeded noise: the
+    content does not change the time), converted by the model inside the cycle."""
+    rng = np.random.default_rng(seed)
+    size = obs.images.shape[-1]
+    mask = obs.camera_mask or (True,) * obs.images.shape[0]
+    frames = [rng.integers(0, 256, (*hw, 3), dtype=np.uint8) if m else None for m in mask]
+    return dataclasses.replace(obs, images=CameraFrames(frames, size))
+
+
 def limit_fields(cams: int, prefix_len: int, graphs_ms: float | None) -> dict:
     """The limits of one row and the measured latency over each (None where not judged):
     at the rows the run prefilled, and at the published 48-text-token prompt."""
@@ -85,13 +103,16 @@ def limit_fields(cams: int, prefix_len: int, graphs_ms: float | None) -> dict:
 
 
 def measure(
-    model, engines: dict[str, Engine], cams: int, warmup: int, repeats: int, peers=None
+    model, engines: dict[str, Engine], cams: int, warmup: int, repeats: int, peers=None,
+    frames: tuple[int, int] | None = None,
 ) -> dict:
     """action_s samples (ms) per engine, and per peer (lerobot_peer.LeRobotPeer: its
-    `predict_action_chunk`), for observations with `cams` cameras present; the order
+    `predict_action_chunk`), for observations with `cams` cameras present; with `frames`
+    also `graphs_frames` (the graphs engine fed camera frames of that size); the order
     rotates every round."""
     peers = peers if peers is not None else {}
-    samples = {name: [] for name in [*engines, *peers]}
+    variants = ["graphs_frames"] if frames else []
+    samples = {name: [] for name in [*engines, *variants, *peers]}
     prefix, failed = None, {}
     for r in range(warmup + repeats):
         obs = observation(model.cfg, cams, 1000 * cams + r)
@@ -107,10 +128,10 @@ def measure(
                 if r >= warmup:
                     samples[name].append(ms)
                 continue
-            engine = engines[name]
+            engine = engines["graphs" if name == "graphs_frames" else name]
             model.graphs = engine.graphs  # the engines share the model (and its weights)
             model.expert.fused_layer_step = name != "graphs_unfused"
-            engine.observe(obs)
+            engine.observe(camera_frames(obs, frames, r) if name == "graphs_frames" else obs)
             res = engine.cycle(engine.frame * engine.cfg.replan_every)
             prefix = res.prefix_len
             if r >= warmup:
@@ -158,7 +179,8 @@ def run(args, env: harness.Environment) -> dict:
                 peer_fields = peer_row(peers, cams, model)
             except Exception as e:  # noqa: BLE001
                 peer_reason, peers = peer_failed(f"at {cams} cameras", e), {}
-        m = measure(model, engines, cams, warmup=2, repeats=repeats, peers=peers)
+        m = measure(model, engines, cams, warmup=2, repeats=repeats, peers=peers,
+                    frames=args.frames)  # fmt: skip
         if m["failed"]:
             peer_reason = f"failed at {cams} cameras: {m['failed']}"
             print(f"LeRobot's peer {peer_reason}", file=sys.stderr)
@@ -183,6 +205,11 @@ def run(args, env: harness.Environment) -> dict:
             rows[-1] |= {f"{name}_ms": harness.Stats.of(p).as_dict(),
                          f"{name}_over_ours": harness.ratio(p, ours)}  # fmt: skip
         rows[-1] |= peer_fields
+        if args.frames:
+            f = m["samples"]["graphs_frames"]
+            rows[-1] |= {"frames_hw": list(args.frames),
+                         "graphs_frames_ms": harness.Stats.of(f).as_dict(),
+                         "frames_over_graphs": harness.ratio(f, g)}  # fmt: skip
         if args.rtc:
             r = m["samples"]["graphs_rtc"]
             rows[-1] |= {"rtc": args.rtc, "graphs_rtc_ms": harness.Stats.of(r).as_dict(),
@@ -291,6 +318,11 @@ def report(result: dict) -> None:
                   f"{r['graphs_unfused_ms']['median']:.2f} ms = {ratio:.2f}x the fused path"
                   + ("" if ratio >= 1 or result["graph_mode"] == "emulate"
                      else "  LOSS: the fused layer-step is slower here"))  # fmt: skip
+        if "graphs_frames_ms" in r:
+            h, w = r["frames_hw"]
+            print(f"{r['cameras']} cameras: camera frames ({h}x{w} uint8, converted on the "
+                  f"device in the cycle) {r['graphs_frames_ms']['median']:.2f} ms = "
+                  f"{r['frames_over_graphs']:.2f}x the graphs path fed converted images")
         if "rtc" in r:
             print(f"{r['cameras']} cameras: RTC ({r['rtc']}) from its graph "
                   f"{r['graphs_rtc_ms']['median']:.2f} ms = {r['rtc_over_graphs']:.2f}x the "
@@ -350,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--cameras", type=lambda t: [int(c) for c in t.split(",")], default=None,
                    help="only these camera counts, e.g. 2 (default: every count; pi05: 2, 3)")
+    p.add_argument("--frames", type=_hw, default=None, metavar="HxW",
+                   help="also the graphs engine fed uint8 camera frames of this size, e.g. "
+                   "480x640 (converted on the device inside the cycle): its own row")
     p.add_argument("--kernels", action="store_true",
                    help="then profile a few cycles: the top kernels by device time")
     p.add_argument("--peer", choices=["lerobot"], default=None,
@@ -362,6 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer_compile and not args.peer:
         p.error("--peer-compile needs --peer lerobot")
     return harness.execute(args, argv, run, report)
+
+
+def _hw(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HxW, e.g. 480x640") from None
+    if min(h, w) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: sides must be >= 1")
+    return h, w
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from embodied_kv.model.image_input import rgbs_to_input
 class CameraFrames:
     """The cameras' frames in model order, each uint8 [H, W, 3] or None (absent)."""
 
-    __slots__ = ("frames", "size", "_tensor")
+    __slots__ = ("frames", "size", "_tensor", "_input")
 
     def __init__(self, frames: Sequence[np.ndarray | None], size: int):
         if size < 1:
@@ -39,6 +39,7 @@ class CameraFrames:
                 _check(rgb, size, i)
         self.frames, self.size = tuple(frames), size
         self._tensor: tuple[str, torch.Tensor] | None = None
+        self._input: tuple[tuple, torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.frames)
@@ -53,13 +54,21 @@ class CameraFrames:
 
     def to_input(self, cameras: Sequence[int], device: torch.device | str) -> torch.Tensor:
         """[len(cameras), 3, S, S] float32 in [-1, 1] on `device`: the model's input of
-        those (present) cameras."""
+        those (present) cameras. Kept for the next call with the same cameras and device
+        (the prefill's, then a capsule's): read it, never write it."""
+        cameras = tuple(cameras)
+        key = (cameras, str(torch.device(device)))
+        if self._input is not None and self._input[0] == key:
+            return self._input[1]  # this observation's prefill and its capsule: once
         rgbs = [self.frames[i] for i in cameras]
         if any(rgb is None for rgb in rgbs):
             raise ValueError(f"cameras {list(cameras)}: some are absent")
-        if torch.device(device).type == "cpu":
-            return rgbs_to_input(rgbs, self.size)
-        return device_input(rgbs, self.size, device)
+        if key[1] == "cpu":
+            out = rgbs_to_input(rgbs, self.size)
+        else:
+            out = device_input(rgbs, self.size, device)
+        self._input = key, out
+        return out
 
     def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[num_cameras, 3, S, S] converted on `device` (the bytes its prefill reads),

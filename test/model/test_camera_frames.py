@@ -111,3 +111,11 @@ def test_cuda_conversion_is_the_references_within_rounding():
         got = CameraFrames(rgbs, size).to_input(range(len(rgbs)), "cuda")
         assert got.device.type == "cuda" and got.shape == want.shape
         assert (got.cpu() - want).abs().max().item() <= CUDA_ATOL
+
+
+def test_a_conversion_is_kept_for_the_same_cameras_and_device():
+    frames = CameraFrames([image(40, 50, 1), image(40, 50, 2)], 32)
+    first = frames.to_input([0, 1], "cpu")
+    assert frames.to_input((0, 1), "cpu") is first  # the prefill's, read by its capsule
+    assert frames.to_input([1], "cpu") is not first
+    assert torch.equal(frames.tensor(), first)
