@@ -13,9 +13,9 @@ how many actions per second several clients get, beside openpi's own server desi
                 The images' conversion is the model's, inside the action latency
                 (camera frames -> chunk: model/camera_frames.py), as openpi's server
                 times its input transforms inside infer_ms; reported apart
-                (`image_conversion_ms`, warm loop). Also against the same frame
-                handled by a direct call (ServePolicy.handle, no socket): the socket
-                path alone. Goal: <= 0.5 ms (the issue's, on this CPU).
+                (`serialisation_ms.image_conversion_in_engine`, warm loop). Also
+                against the same frame handled by a direct call (ServePolicy.handle,
+                no socket): the socket path alone. Goal: <= 0.5 ms (the issue's, on this CPU).
     throughput  N = 1, 2, 4 clients, back to back for a fixed time (in rounds, the
                 designs' order rotating, as the overhead rounds) -> actions/s, for
                 ours (one engine, N connections), openpi's design with one server and N

@@ -63,8 +63,7 @@ class OpenpiDesignServer:
                 await ws.send(reply)
                 prev = {"prev_total_ms": (time.monotonic() - start) * 1e3,
                         "prev_pack_ms": (packed - t_pack) * 1e3}  # fmt: skip
-                if "actions" in action:
-                    self.policy.after_reply(session)  # as ours: the same engine code
+                self.policy.after_reply(session)  # as ours: the same engine code
         except websockets.ConnectionClosed:
             pass
         finally:

@@ -228,12 +228,12 @@ class Engine:
             result.events[:0] = self.take_events()
             return result
 
-    def draw_noise_ahead(self, frame: int | None = None) -> None:
-        """Draw the noise of `frame` (default: the next) now, off its action path, where
-        the frame loop's `draw_ahead` is off. A cycle of another frame draws its own: the
-        same bytes either way (engine/noise_ahead.py)."""
+    def draw_noise_ahead(self, frame: int) -> None:
+        """Draw the noise of `frame` now, off its action path, where the frame loop's
+        `draw_ahead` is off. A cycle of another frame draws its own: the same bytes
+        either way (engine/noise_ahead.py)."""
         with self.lock:
-            seed = self.cfg.seed + (self.frame if frame is None else frame)
+            seed = self.cfg.seed + frame
             if self.loop.noise.seed != seed:
                 self.loop.noise.draw(seed)
 

@@ -21,15 +21,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from embodied_kv.model.image_input import rgbs_to_input
+from embodied_kv.model.image_input import resize_with_pad, resized, rgbs_to_input
 
 
 class CameraFrames:
     """The cameras' frames in model order, each uint8 [H, W, 3] or None (absent)."""
 
-    __slots__ = ("frames", "size", "_tensor", "_input")
+    __slots__ = ("frames", "size", "_input")
 
     def __init__(self, frames: Sequence[np.ndarray | None], size: int):
         if size < 1:
@@ -38,7 +37,6 @@ class CameraFrames:
             if rgb is not None:
                 _check(rgb, size, i)
         self.frames, self.size = tuple(frames), size
-        self._tensor: tuple[str, torch.Tensor] | None = None
         self._input: tuple[tuple, torch.Tensor] | None = None
 
     def __len__(self) -> int:
@@ -71,44 +69,29 @@ class CameraFrames:
         return out
 
     def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[num_cameras, 3, S, S] converted on `device` (the bytes its prefill reads),
-        returned on the CPU, zeros for absent cameras: a capsule's. Kept for the next
-        call on that device (the frames are not copied: a caller never changes them)."""
-        key = str(torch.device(device))
-        if self._tensor is None or self._tensor[0] != key:
-            out = torch.zeros(self.shape)
-            present = self.present()
-            if present:
-                out[present] = self.to_input(present, device).cpu()
-            self._tensor = key, out
-        return self._tensor[1].clone()
+        """[num_cameras, 3, S, S] converted on `device` (the bytes its prefill reads: the
+        prefill's conversion when it is kept), returned on the CPU, zeros for absent
+        cameras: a capsule's."""
+        out = torch.zeros(self.shape)
+        present = self.present()
+        if present:
+            out[present] = self.to_input(present, device).cpu()
+        return out
 
 
 def device_input(rgbs: list[np.ndarray], size: int, device: torch.device | str) -> torch.Tensor:
-    """rgb_to_input_ref's chain over the uint8 pixels uploaded to `device` (cameras of
-    one geometry in one call each). On the CPU the same bytes as the reference (the same
-    ops and kernels); on CUDA CUDA's kernels."""
+    """The reference's chain (image_input.resize_with_pad) over the uint8 pixels uploaded
+    to `device`, cameras of one geometry in one call each. On the CPU the reference's
+    bytes; on CUDA CUDA's kernels."""
     groups: dict[tuple[int, int], list[int]] = {}
     for k, rgb in enumerate(rgbs):
         groups.setdefault(rgb.shape[:2], []).append(k)
     out = torch.empty(len(rgbs), 3, size, size, device=device)
-    for (h, w), ks in groups.items():
+    for ks in groups.values():
         pixels = torch.from_numpy(np.stack([rgbs[k] for k in ks]))  # [n, h, w, 3] uint8
         x = pixels.to(device).permute(0, 3, 1, 2).to(torch.float32) / 255.0
-        if (h, w) != (size, size):
-            rh, rw = resized(h, w, size)
-            x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False)
-            x = x.clamp(0.0, 1.0)
-            top, left = (size - rh) // 2, (size - rw) // 2
-            x = F.pad(x, (left, size - rw - left, top, size - rh - top), value=0.0)
-        out[ks] = x * 2.0 - 1.0
+        out[ks] = resize_with_pad(x, size)
     return out
-
-
-def resized(h: int, w: int, size: int) -> tuple[int, int]:
-    """The image's size inside the padded square (LeRobot resize_with_pad_torch)."""
-    ratio = max(w / size, h / size)
-    return int(h / ratio), int(w / ratio)
 
 
 def _check(rgb: np.ndarray, size: int, i: int) -> None:

@@ -55,8 +55,7 @@ def rgbs_to_input(rgbs: list[np.ndarray], size: int) -> torch.Tensor:
             np.divide(rgb, _255, out=buf[k])
         torch.mul(chw, 2.0, out=out)
         return out.sub_(1.0)
-    ratio = max(w / size, h / size)
-    rh, rw = int(h / ratio), int(w / ratio)
+    rh, rw = resized(h, w, size)
     rows = _rows_read(h, w, rh, rw)
     for k, rgb in enumerate(rgbs):
         if rows is None:
@@ -118,16 +117,27 @@ def _rows_read(h: int, w: int, rh: int, rw: int) -> np.ndarray | None:
     return None if bool(out.isnan().any()) else rows
 
 
+def resized(h: int, w: int, size: int) -> tuple[int, int]:
+    """The image's size inside the padded size x size square (resize_with_pad_torch)."""
+    ratio = max(w / size, h / size)
+    return int(h / ratio), int(w / ratio)
+
+
 def rgb_to_input_ref(rgb: np.ndarray, size: int) -> torch.Tensor:
     """[H, W, 3] uint8 -> [3, size, size] float32 in [-1, 1] (LeRobot resize_with_pad_torch)."""
-    h, w, _ = rgb.shape
     rgb = np.require(rgb, np.uint8, ["C", "W"])  # torch wants writable memory; copies if not
     x = torch.from_numpy(rgb).permute(2, 0, 1).to(torch.float32) / 255.0
+    return resize_with_pad(x[None], size)[0]
+
+
+def resize_with_pad(x: torch.Tensor, size: int) -> torch.Tensor:
+    """[n, 3, H, W] float in [0, 1] on any device -> [n, 3, size, size] in [-1, 1]: the
+    reference's chain (bilinear without antialiasing, clamp, padding 0, * 2 - 1)."""
+    h, w = x.shape[-2:]
     if (h, w) != (size, size):  # pi05 `_preprocess_images` resizes only another size
-        ratio = max(w / size, h / size)
-        rh, rw = int(h / ratio), int(w / ratio)
-        x = F.interpolate(x[None], size=(rh, rw), mode="bilinear", align_corners=False)[0]
+        rh, rw = resized(h, w, size)
+        x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False)
         x = x.clamp(0.0, 1.0)
         top, left = (size - rh) // 2, (size - rw) // 2
         x = F.pad(x, (left, size - rw - left, top, size - rh - top), value=0.0)
-    return x * 2.0 - 1.0  # [3, size, size]
+    return x * 2.0 - 1.0  # [n, 3, size, size]

@@ -138,7 +138,8 @@ class ServePolicy:
 
     def after_reply(self, session: Session) -> None:
         """A reply is on its way: draw the noise of this session's next frame now, not
-        between its chunk and its reply (a hit when its next frame comes first)."""
+        between its chunk and its reply (a hit when its next frame comes first; after a
+        command-only frame too: a reset's next frame is 0). Nothing when already drawn."""
         self.engine.draw_noise_ahead(session.frame)
 
     def _drop_open_work(self) -> None:

@@ -110,8 +110,7 @@ class PolicyServer:
                 ws.send(reply)
                 prev = {"prev_total_ms": (time.perf_counter() - t0) * 1e3,
                         "prev_pack_ms": (packed - t_pack) * 1e3}  # fmt: skip
-                if "actions" in response:
-                    self.policy.after_reply(session)  # the next frame's noise
+                self.policy.after_reply(session)  # the session's next frame's noise
         except websockets.ConnectionClosed:
             pass
         finally:
