@@ -20,7 +20,8 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=[PACKAGE, f"{PACKAGE}.*"]),
     # the trained `world` model the embedded default loads (engine/loading.py SHIPPED)
-    package_data={PACKAGE: ["data/world/weights.safetensors", "data/world/tokenizer.json"]},
+    package_data={PACKAGE: [f"data/{d}/{f}" for d in ("world", "world_smooth")
+                            for f in ("weights.safetensors", "tokenizer.json")]},
     # ament layout, as ament_python packages install it.
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),

@@ -128,7 +128,8 @@ def train_config(args: argparse.Namespace):
     from embodied_kv.world.dataset import DataConfig
 
     given = {k: getattr(args, k)
-             for k in ("batch", "buckets", "lr", "threads", "curriculum", "ramp", "warmup",
+             for k in ("preset", "batch", "buckets", "lr", "threads", "curriculum", "ramp",
+                       "warmup",
                        "data_workers", "embed_std", "until", "stop_after", "flow_dims",
                        "ground_weight", "ground_layer", "freeze", "position_weight",
                        "object_weight", "bin_sigma", "bin_weight", "name_weight", "bin_first",
@@ -207,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = commands.add_parser("train", help="train the tiny VLA on the synthetic world")
     tr.add_argument("--out", default="out/train", help="weights.safetensors + tokenizer.json")
+    tr.add_argument("--preset", help="world (default) or world_smooth (the expert's waypoint "
+                    "labels, a 30-action chunk; with --init world weights)")  # fmt: skip
     tr.add_argument("--steps", type=int, default=0, help="0: until --minutes runs out")
     tr.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget (0: none)")
     tr.add_argument("--batch", type=int, help="default: TrainConfig.batch (train/loop.py)")

@@ -30,16 +30,19 @@ def test_installed_package_has_the_shipped_world_model(tmp_path):
          "--no-compile", "--target", str(site), str(src)],
         check=True, capture_output=True, timeout=240,
     )  # fmt: skip
-    shipped = site / "embodied_kv" / "data" / "world"
-    missing = [n for n in DATA if not (shipped / n).is_file()]
-    assert not missing, (
-        f"the installed package lacks {missing} in embodied_kv/data/world/ (the trained "
-        "world model is committed there before merging to main)"
-    )
-    source = ROOT / "embodied_kv" / "data" / "world"
-    for name in DATA:
-        assert (shipped / name).read_bytes() == (source / name).read_bytes()
-    code = "from embodied_kv.engine.loading import shipped_weights; print(shipped_weights('world'))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(site)},
-                         check=True, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert Path(out.stdout.strip()) == shipped / "weights.safetensors"
+    for preset in ("world", "world_smooth"):
+        shipped = site / "embodied_kv" / "data" / preset
+        missing = [n for n in DATA if not (shipped / n).is_file()]
+        assert not missing, (
+            f"the installed package lacks {missing} in embodied_kv/data/{preset}/ (the trained "
+            "model is committed there before merging to main)"
+        )
+        source = ROOT / "embodied_kv" / "data" / preset
+        for name in DATA:
+            assert (shipped / name).read_bytes() == (source / name).read_bytes()
+        code = ("from embodied_kv.engine.loading import shipped_weights; "
+                f"print(shipped_weights({preset!r}))")  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                             env={"PYTHONPATH": str(site)}, check=True, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert Path(out.stdout.strip()) == shipped / "weights.safetensors"

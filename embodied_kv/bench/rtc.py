@@ -1,5 +1,6 @@
 """`embodied-kv bench rtc`: real-time chunking against naive switching and temporal
-ensembling, closed loop on the `world` preset (its shipped weights) and the simulated
+ensembling, closed loop on the world (the `world_smooth` preset's shipped weights by
+default: waypoint actions, H = 30; `--world world`: far targets, H = 10) and the simulated
 robot, with an injected inference delay d; and RTC's latency cost at pi05 widths.
 
 Timeline of one episode (ticks; a cycle every p = max(replan_every, d) ticks):
@@ -9,7 +10,7 @@ Timeline of one episode (ticks; a cycle every p = max(replan_every, d) ticks):
     the chunk covers t0 .. t0+H-1; its first d actions are stale when it lands
 
 The first chunk of an episode lands at once (the robot waits for it). A tick no chunk
-covers repeats the last action (at d = 8 with the world's H = 10: ticks t0+10 .. t0+15).
+covers repeats the last action (at d = 8 with `world`'s H = 10: ticks t0+10 .. t0+15).
 
 Methods (one object each behind `Executor`):
     naive     the engine's ActionQueue, blend 0: switch to the new chunk where it lands
@@ -27,9 +28,10 @@ chunk, the largest L2 gap between its first d actions (stale when it lands: RTC 
 W = 1) and the previous chunk's for the same ticks, averaged; it shows what the guidance does
 where it is strongest. `switch_gap`: at the switch, the action executed against the one the
 old chunk had for that tick (mean L2): the discontinuity chunking adds, apart from the
-policy's own steps (the world's expert commands bang-bang targets: z jumps +1 <-> -1 between
-phases, so |a_t - a_{t-1}| at a switch also counts steps the policy takes anyway; `step_p95`
-is the p95 of |a_t - a_{t-1}| at every other tick, for scale).
+policy's own steps (`world`'s expert commands far targets: z jumps +1 <-> -1 between
+phases, so |a_t - a_{t-1}| at a switch also counts steps the policy takes anyway;
+`world_smooth`'s waypoints step by the arm's motion, <= 0.56; `step_p95` is the p95 of
+|a_t - a_{t-1}| at every other tick, for scale).
 
 Latency: ActionExpert.sample against the guided loop (error, vjp) at pi05 widths (expert
 width 1024, MLP 4096, 8 heads of 256, 1 KV head, H 50 x 32, 10 steps) over a prefix of 3
@@ -63,6 +65,7 @@ from embodied_kv.world.scene import make_scene
 from embodied_kv.world.tasks import sample_task
 
 DELAYS = (0, 2, 4, 8)
+WORLDS = ("world_smooth", "world")  # presets with shipped weights it runs on; the default first
 REPLAN = 5  # ticks per cycle without delay (EngineConfig.replan_every, eval world's)
 TICKS = 60  # per episode: eval world's 12 cycles x 5 actions
 MOTION_DIMS = 3  # x, y, z: the arm's position targets (Scene.step reads these and the
@@ -103,9 +106,9 @@ class Naive(Executor):
 
 
 class Guided(Executor):
-    def __init__(self, guidance: str):
+    def __init__(self, guidance: str, execution_horizon: int = 0):
         self.name = f"rtc-{guidance}"
-        self.rtc = RTCConfig(enabled=True, guidance=guidance)
+        self.rtc = RTCConfig(enabled=True, guidance=guidance, execution_horizon=execution_horizon)
 
 
 class Ensemble(Executor):
@@ -128,19 +131,20 @@ class Ensemble(Executor):
         return self.last.copy()
 
 
-def methods() -> list[Executor]:
-    return [Naive(), Ensemble(), Guided("vjp"), Guided("error")]
+def methods(execution_horizon: int = 0) -> list[Executor]:
+    return [Naive(), Ensemble(), Guided("vjp", execution_horizon),
+            Guided("error", execution_horizon)]  # fmt: skip
 
 
 def make_engine(model, rtc: RTCConfig) -> Engine:
     cfg = EngineConfig(
-        preset="world", control_hz=1e-3, replan_every=REPLAN, blend=0, history=0,
+        preset=model.cfg.name, control_hz=1e-3, replan_every=REPLAN, blend=0, history=0,
         narrate_every=0, auto_episode_capsule=False, cuda_graphs=False, num_slots=2, rtc=rtc,
     )  # fmt: skip
     return Engine(cfg, model=model)
 
 
-def run_episode(engine: Engine, ex: Executor, index: int, delay: int) -> Trace:
+def run_episode(engine: Engine, ex: Executor, index: int, delay: int, ticks: int = TICKS) -> Trace:
     rng = np.random.default_rng(SEED + index)
     scene = make_scene(rng)
     task = sample_task(scene, rng)
@@ -168,15 +172,15 @@ def run_episode(engine: Engine, ex: Executor, index: int, delay: int) -> Trace:
         scene.step(a)
         return task.success(scene)
 
-    while tick < TICKS:
+    while tick < ticks:
         t0 = tick
         engine.observe(world_observation(scene, task.instruction, size))
         lag = 0 if first else delay
-        for k in range(t0, min(t0 + lag, TICKS)):  # inference running: the old chunk
+        for k in range(t0, min(t0 + lag, ticks)):  # inference running: the old chunk
             if execute(k):
                 trace.success = True
                 return trace
-        if t0 + lag >= TICKS:
+        if t0 + lag >= ticks:
             break
         result = engine.cycle(t0)
         ex.landed(result.chunk, t0)
@@ -189,7 +193,7 @@ def run_episode(engine: Engine, ex: Executor, index: int, delay: int) -> Trace:
                 trace.lead_gaps.append(float(gaps.max()))
         old_chunk, old_start = prev, prev_start
         prev, prev_start = np.asarray(result.chunk, np.float64), t0
-        for k in range(t0 + lag, min(t0 + period, TICKS)):
+        for k in range(t0 + lag, min(t0 + period, ticks)):
             if execute(k):
                 trace.success = True
                 return trace
@@ -221,13 +225,16 @@ def summarise(traces: list[Trace]) -> dict:
     }
 
 
-def closed_loop(model, episodes: int, env) -> list[dict]:
+def closed_loop(model, episodes: int, env, execution_horizon: int = 0,
+                ticks: int = TICKS) -> list[dict]:  # fmt: skip
     rows = []
-    for ex in methods():
+    for ex in methods(execution_horizon):
         engine = make_engine(model, ex.rtc)
         for d in DELAYS:
-            traces = [run_episode(engine, ex, e, d) for e in range(episodes)]
+            traces = [run_episode(engine, ex, e, d, ticks) for e in range(episodes)]
             row = {"method": ex.name, "delay": d, **summarise(traces)}
+            # per episode: the ticks it took to succeed, -1 where it did not within `ticks`
+            row["episode_ticks"] = [len(t.actions) if t.success else -1 for t in traces]
             if engine.loop.rtc is not None:
                 c = engine.loop.rtc.counters
                 row["guided_chunks"], row["chunks"] = c.guided, c.chunks
@@ -280,24 +287,34 @@ def latency(layers: int, repeats: int, device: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embodied-kv bench rtc", description=__doc__.split("\n")[0])
     harness.add_common_args(p)
-    p.add_argument("--episodes", type=int, default=0, help="per method and delay (0: 3 quick, "
+    p.add_argument("--episodes", type=int, default=0, help="per method and delay (0: 6 quick, "
                    "20 full)")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="pi05-width expert layers for the "
                    "latency rows (0: 1 quick, 2 full; pi0.5 has 18)")  # fmt: skip
+    p.add_argument("--world", choices=WORLDS, default=WORLDS[0],
+                   help="the world model: world_smooth (waypoints, H 30) or world (far "
+                        "targets, H 10)")  # fmt: skip
+    p.add_argument("--ticks", type=int, default=TICKS, help="per episode (default: "
+                   f"{TICKS}, eval world's budget)")  # fmt: skip
+    p.add_argument("--execution-horizon", type=int, default=0,
+                   help="RTC's s (rtc.execution_horizon; default 0: the replan period, 5)")
     a = harness.parse(p, argv)
     env = harness.Environment.start(a, argv)
-    episodes = a.episodes or (3 if a.quick else 20)
+    episodes = a.episodes or (6 if a.quick else 20)
     layers = a.layers or (1 if a.quick else 2)
-    weights = shipped_weights("world")
+    weights = shipped_weights(a.world)
     if weights is None:
-        p.error("bench rtc needs the world preset's shipped weights (embodied_kv/data/world/)")
+        p.error(f"bench rtc needs the {a.world} preset's shipped weights "
+                f"(embodied_kv/data/{a.world}/)")  # fmt: skip
     model = load_trained(weights)
-    rows = closed_loop(model, episodes, env)
+    s = a.execution_horizon
+    rows = closed_loop(model, episodes, env, s, a.ticks)
     lat = latency(layers, 3 if a.quick else 7, a.device)
     harness.progress(env, "latency done")
     sha = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
-    print(f"bench rtc: world preset, shipped weights ({sha}), {episodes} episodes per row, "
-          f"{TICKS} ticks each; cycle every max({REPLAN}, d) ticks")  # fmt: skip
+    print(f"bench rtc: {a.world} preset (H {model.cfg.action_horizon}), shipped weights "
+          f"({sha}), {episodes} episodes per row, {a.ticks} ticks each; cycle every "
+          f"max({REPLAN}, d) ticks; RTC s = {s or REPLAN}")  # fmt: skip
     keys = ["success", "switches", "jump_mean", "jump_max", "jump_p95", "step_p95", "jerk_mean",
             "lead_gap", "switch_gap"]  # fmt: skip
     naive = {r["delay"]: r for r in rows if r["method"] == "naive"}
@@ -309,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         table.append([r["method"], r["delay"], *[r[k] for k in keys], r["jump_max_naive_over"],
                       r["jump_mean_naive_over"]])  # fmt: skip
     print_table(["method", "d", *keys, "naive/max", "naive/mean"], table)
+    print("episodes that did not succeed within the budget (of each row's):",
+          ", ".join(f"{r['method']} d={r['delay']}: {r['episode_ticks'].count(-1)}"
+                    for r in rows))  # fmt: skip
     print(f"latency at pi05 widths, {layers} expert layer(s), {a.device}:")
     print_table(["loop", "median_ms", "p10_ms", "p90_ms", "x_plain"], [
         [k, lat[k]["median"], lat[k]["p10"], lat[k]["p90"], lat[k].get("x_plain", 1.0)]
@@ -318,14 +338,16 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "rtc",
         "quick": a.quick,
         "config": {
+            "world": a.world,
+            "action_horizon": model.cfg.action_horizon,
             "episodes": episodes,
-            "ticks": TICKS,
+            "ticks": a.ticks,
             "replan_every": REPLAN,
             "delays": list(DELAYS),
             "seed": SEED,
             "weights": str(weights),
             "weights_sha256": sha,
-            "rtc": asdict(RTCConfig(enabled=True)),
+            "rtc": asdict(RTCConfig(enabled=True, execution_horizon=s)),
         },  # fmt: skip
         "closed_loop": rows,
         "latency_pi05_widths": lat,

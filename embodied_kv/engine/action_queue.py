@@ -2,8 +2,9 @@
 
 A chunk computed from the observation of control tick t0 holds the actions for ticks
 t0 .. t0+H-1. The consumer pops one action per tick. A new chunk replaces the old
-one from its own start; over the first `blend` ticks where both cover the same tick
-the two are mixed linearly (old weight falling from blend/(blend+1) to 1/(blend+1)).
+one from its own start; over the first `blend` ticks from the one it lands at (the tick
+after the last one popped: the ticks before are past) where both cover the same tick the
+two are mixed linearly (old weight falling from blend/(blend+1) to 1/(blend+1)).
 If the consumer reaches a tick that no chunk covers, it repeats the last action and
 counts a deadline miss. Deterministic; thread-safe (the ROS output thread pops).
 
@@ -80,12 +81,13 @@ class ActionQueue:
             self._model = None if model_chunk is None else np.array(model_chunk, np.float32)
             self.counters.chunks += 1
             new = chunk.copy()
-            if self._chunk is not None and self.blend:
+            if self._chunk is not None and self.blend:  # from the tick it lands at on
+                first = 0 if self._next_tick is None else max(0, self._next_tick - start_tick)
                 for i in range(self.blend):
-                    old_i = start_tick + i - self._start
-                    if 0 <= old_i < self.horizon:
+                    j, old_i = first + i, start_tick + first + i - self._start
+                    if j < self.horizon and 0 <= old_i < self.horizon:
                         w = (i + 1) / (self.blend + 1)
-                        new[i] = w * chunk[i] + (1 - w) * self._chunk[old_i]
+                        new[j] = w * chunk[j] + (1 - w) * self._chunk[old_i]
             self._chunk, self._start, self._held = new, start_tick, False
 
     def hold(self) -> None:
@@ -93,6 +95,12 @@ class ActionQueue:
         cancelled goal, an engine in its safe state)."""
         with self._lock:
             self._chunk, self._model, self._held = None, None, True
+
+    def forget_plan(self) -> None:
+        """The chunk keeps executing, but the next one is not guided towards it (real-time
+        chunking): the robot's task changed, so the old chunk's plan is not the new one's."""
+        with self._lock:
+            self._model = None
 
     def previous(self, start_tick: int) -> tuple[np.ndarray, int] | None:
         """(the current chunk in model units [H, A_model] float32, start_tick - its start

@@ -158,6 +158,8 @@ class Engine:
         """obs.state in robot units ([robot.state_dim]); ValueError if it does not fit."""
         model_obs = self.robot.model_observation(obs)
         with self.lock:
+            if obs.instruction != self.instruction:  # a new task: its first chunk is free
+                self.queue.forget_plan()  # (real-time chunking joins chunks of one task)
             self._obs = model_obs
             self.instruction = obs.instruction
 

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from embodied_kv.engine.engine import EngineConfig
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-SHIPPED = {"world": DATA_DIR / "world" / WEIGHTS_FILE}  # preset -> its trained weights
+# preset -> its trained weights
+SHIPPED = {name: DATA_DIR / name / WEIGHTS_FILE for name in ("world", "world_smooth")}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ class EvalConfig:
     seed: int = EVAL_SEED_BASE  # held out: above every training seed (train/loop.py)
     action_mode: str = "flow"  # flow: the action expert | ar: bins action tokens (ActionFlow)
     sanity: int = 0  # episodes, questions and queries re-run for the exactness rows (0: none)
+    # what the stage errors compare the first action with: the expert's action in the
+    # labels the model learned (world/expert.py ACTION_LABELS; evaluate() sets the model's)
+    labels: str = "targets"
 
     def __post_init__(self):
         if min(self.episodes, self.questions, self.memory, self.sanity) < 0:
@@ -64,7 +67,8 @@ def run_episode(runner, cfg: EvalConfig, index: int, start: int = 0, state=None)
         else:
             chunk = runner.act(scene, task.instruction, c)
         chunks.append(chunk)
-        want, phase = expert_action(scene, task)
+        phase = expert_action(scene, task)[1]
+        want = expert_chunk(scene, task, 1, cfg.labels)[0]
         errors.append((STAGES[phase], float(np.hypot(*(np.asarray(chunk[0][:2]) - want[:2])))))
         for a in chunk[: cfg.replan_every]:
             scene.step(a)

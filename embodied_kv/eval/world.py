@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,7 @@ from embodied_kv.model.trained import TOKENIZER_FILE, load_trained, world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.world import memory, questions
+from embodied_kv.world.expert import labels_of
 
 __all__ = ["EvalConfig", "accuracy_of", "closed_loop", "closed_loop_stages", "episode",
            "evaluate", "main", "make_engine", "memory_accuracy", "question_accuracy",
@@ -116,6 +117,7 @@ def memory_accuracy(runner, cfg: EvalConfig) -> dict[str, float]:
 
 
 def evaluate(model, cfg: EvalConfig) -> dict:
+    cfg = replace(cfg, labels=labels_of(model.cfg.name))
     engine = make_engine(model, cfg)
     runner = EngineRunner(engine)
     t = time.perf_counter()

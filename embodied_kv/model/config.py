@@ -135,6 +135,12 @@ PRESETS["world"] = replace(
     tokenizer="words",
 )
 
+# `world_smooth`: the `world` model whose expert learns the world's waypoint labels
+# (world/expert.py: each action the arm's position one step on, within the physics' reach,
+# as a real robot's joint-position targets) over a 30-action chunk: action trajectories
+# without the far targets' flips, the chunks real-time chunking joins (docs/rtc.md). Same
+# parameters as `world` (the horizon sizes no weight): fine-tuned from its weights.
+PRESETS["world_smooth"] = replace(PRESETS["world"], name="world_smooth", action_horizon=30)
 
 def get_preset(
     name: str, layers: int | None = None, vision_layers: int | None = None, **overrides

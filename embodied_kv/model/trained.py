@@ -16,16 +16,17 @@ from embodied_kv.model.word_tokenizer import build_tokenizer, padded_vocab
 
 WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+WORLD_PRESETS = ("world", "world_smooth")  # presets built for the world's word tokenizer
 
 
 def world_config(preset: str = "world", seed: int = 0) -> ModelConfig:
-    """A preset with the world's word tokenizer: `world` as it is (its vocabulary holds the
-    word ids and the 256 `bins` action ids above them), any other preset with a
-    vocabulary that just fits the words (no room for action ids)."""
+    """A preset with the world's word tokenizer: `world` and `world_smooth` as they are
+    (their vocabulary holds the word ids and the 256 `bins` action ids above them), any
+    other preset with a vocabulary that just fits the words (no room for action ids)."""
     n = build_tokenizer().get_vocab_size()
     if n > TEXT_IDS["words"]:
         raise ValueError(f"the world tokenizer has {n} ids > {TEXT_IDS['words']} reserved")
-    if preset == "world":
+    if preset in WORLD_PRESETS:
         return get_preset(preset, seed=seed)
     return get_preset(preset, vocab_size=padded_vocab(n), tokenizer="words", seed=seed)
 

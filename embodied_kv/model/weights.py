@@ -68,6 +68,19 @@ def config_json(cfg) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
+def _same_config(saved: str | None, cfg, may_differ: tuple[str, ...]) -> bool:
+    if saved is None:
+        return False
+    if not may_differ:
+        return saved == config_json(cfg)
+    d = json.loads(saved)
+    ours = dataclasses.asdict(cfg)
+    for k in may_differ:
+        d.pop(k, None)
+        ours.pop(k, None)
+    return d == ours
+
+
 def weights_digest(model: nn.Module) -> str:
     """sha256 over every parameter's name, dtype, shape and bytes: copies every weight to
     the host (seconds at pi05), so the engine uses `weights_identity` instead."""
@@ -179,9 +192,16 @@ def save_weights(model, path: str | Path) -> None:
     )
 
 
+SHAPE_FREE = ("name", "action_horizon", "seed")  # config fields that size no parameter
+
+
 @torch.no_grad()
-def load_weights(model, path: str | Path) -> None:
-    """Load the own layout; ValueError naming the config mismatch or the bad tensors."""
+def load_weights(model, path: str | Path, may_differ: tuple[str, ...] = ()) -> None:
+    """Load the own layout; ValueError naming the config mismatch or the bad tensors.
+    `may_differ` (of SHAPE_FREE): config fields in which the file's model may differ from
+    `model`'s (a fine-tune from another preset's weights, e.g. a longer chunk)."""
+    if not set(may_differ) <= set(SHAPE_FREE):
+        raise ValueError(f"may_differ={may_differ}: only fields of {SHAPE_FREE}")
     path = Path(path)
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
@@ -189,7 +209,7 @@ def load_weights(model, path: str | Path) -> None:
             raise ValueError(
                 f"{path}: not an embodied_kv weights file (format={meta.get('format')!r})"
             )
-        if meta.get("config") != config_json(model.cfg):
+        if not _same_config(meta.get("config"), model.cfg, may_differ):
             raise ValueError(
                 f"{path}: saved for another model config than preset {model.cfg.name!r}"
             )

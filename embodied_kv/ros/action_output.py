@@ -30,8 +30,9 @@ class ControlClock:
     """Tick k of the control stream is due at t0 + k * period (time.monotonic, s).
 
     One clock per engine: the output thread publishes tick k at its time, and the
-    engine stamps each chunk with the tick its cycle started at (ActionQueue: a
-    chunk computed at tick t0 covers t0 .. t0+H-1)."""
+    engine stamps each chunk with the tick of its observation (the robot state's
+    capture, else the cycle's start; ActionQueue: a chunk observed at tick t0 covers
+    t0 .. t0+H-1)."""
 
     def __init__(self, rate_hz: float, t0: float | None = None):
         self.period_s = 1.0 / rate_hz
@@ -46,6 +47,10 @@ class ControlClock:
 
     def now(self) -> int:
         return self.tick_at(time.monotonic())
+
+    def tick_of_wall_ns(self, ns: int) -> int:
+        """The tick a wall-clock (ROS system time) instant in ns falls in."""
+        return self.tick_at(ns / 1e9 - self._wall_minus_mono)
 
     def wall_ns(self, tick: int) -> int:
         """Wall-clock (ROS system time) of tick `tick`, in ns, for message stamps."""

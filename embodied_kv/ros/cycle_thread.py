@@ -3,8 +3,14 @@
 Cycle n starts at control tick n * replan_every (ControlClock): it hands the latest
 observation to the engine, runs `engine.cycle(tick)` (one prefill, the action chunk
 into the queue, batched language decode until the cycle's deadline) and passes the
-result to the nodes (chunk and text topics). A cycle that starts late is stamped
-with the tick it really started at, so the ActionQueue places its chunk correctly.
+result to the nodes (chunk and text topics).
+
+The chunk is stamped with the tick of its observation: the robot state's capture (its
+`joint_states` header stamp), where the chunk's first action starts from. A state 40 ms
+old at 50 Hz is two ticks the robot has already moved: the ActionQueue skips those
+actions, and real-time chunking's d counts them (docs/rtc.md). A state with no stamp, a
+stamp in the future or one older than the chunk can cover (H - replan_every ticks) is
+stamped with the tick the cycle really started at, and counted.
 A cycle that fails is undone by the engine, counted and logged here, and the next
 one runs as usual; repeated failures put the engine in its safe state (engine/
 faults.py), logged once as an ERROR and reported on /diagnostics.
@@ -31,6 +37,8 @@ class CycleCounters:
     cycles: int = 0
     no_observation: int = 0  # cycle times skipped: no camera image received yet
     late_starts: int = 0  # cycles that started after their tick (the previous one overran)
+    observation_age_ticks: int = 0  # the last cycle's: its tick - its observation's
+    unstamped: int = 0  # cycles stamped at their start: the state had no usable stamp
     errors: int = 0  # exceptions in a cycle (logged; the next cycle runs as usual)
     tokens: int = 0  # language tokens decoded
 
@@ -46,10 +54,13 @@ class CycleThread(Worker):
         observation: Callable[[], Observation | None],
         dispatch: Callable[[CycleResult, int], None],
         log_error: Callable[[str], None],
+        observed_ns: Callable[[], int] = lambda: 0,
     ):
         super().__init__()
         self.engine, self.clock = engine, clock
         self.every = engine.cfg.replan_every
+        self._observed_ns = observed_ns  # the observation's capture, wall-clock ns (0: none)
+        self.max_age = max(0, engine.model.cfg.action_horizon - self.every)
         self._observation, self._dispatch, self._log_error = observation, dispatch, log_error
         self.counters = CycleCounters()
         self._recent: deque[tuple[float, int]] = deque(maxlen=TOKENS_WINDOW)  # (end s, tokens)
@@ -68,12 +79,23 @@ class CycleThread(Worker):
                 if obs is None:
                     self.counters.no_observation += 1
                     continue
-                self._cycle(obs, start)
+                self._cycle(obs, self.observed_tick(start))
             except Exception as e:  # logged; the action output keeps going on the queue
                 self.counters.errors += 1
                 self._log_error(f"engine cycle at tick {start}: {type(e).__name__}: {e}")
                 if self.engine.faults.safe:
                     self._log_error(f"engine in its safe state: {self.engine.faults.safe_reason}")
+
+    def observed_tick(self, start: int) -> int:
+        """The tick the observation was captured at, for a cycle starting at `start`."""
+        ns = self._observed_ns()
+        tick = self.clock.tick_of_wall_ns(ns) if ns > 0 else start + 1
+        age = start - tick
+        if not 0 <= age <= self.max_age:  # none, from the future, or older than a chunk
+            self.counters.unstamped += 1
+            tick, age = start, 0
+        self.counters.observation_age_ticks = age
+        return tick
 
     def _cycle(self, obs: Observation, tick: int) -> None:
         engine = self.engine

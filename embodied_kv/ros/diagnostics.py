@@ -38,6 +38,9 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
             "cycle_period_ms": 1e3 * cfg.period_s,
             "cycles": cycles.cycles,
             "late_starts": cycles.late_starts,
+            # ticks between the robot state a chunk starts from and the cycle's start
+            "observation_age_ticks": cycles.observation_age_ticks,
+            "unstamped_observations": cycles.unstamped,
             "chunks_after_deadline": loop.action_late,
             "cycle_overruns": loop.overruns,
             "cycle_errors": cycles.errors,

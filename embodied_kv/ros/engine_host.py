@@ -38,6 +38,7 @@ class EngineHost:
         self.cycles: CycleThread | None = None
         self.output: ActionOutput | None = None
         self.observation: Callable[[], Observation | None] = lambda: None
+        self.observed_ns: Callable[[], int] = lambda: 0  # its capture, wall-clock ns; 0: none
         self.inputs_rejected: Counter[str] = Counter()  # by input kind, for /diagnostics
         self.build_s = 0.0
         self._listeners: dict[str, Listener] = {}
@@ -81,7 +82,7 @@ class EngineHost:
         self.cfg, self.engine = cfg, engine
         self.clock = ControlClock(cfg.control_hz)
         self.cycles = CycleThread(engine, self.clock, self._get_observation, self._dispatch,
-                                  self._report)  # fmt: skip
+                                  self._report, lambda: self.observed_ns())  # fmt: skip
         self.build_s = time.perf_counter() - t
         self._progress(f"engine ready in {self.build_s:.1f} s")
 

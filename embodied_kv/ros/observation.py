@@ -24,6 +24,7 @@ class ObservationBuffer:
         self.num_cameras, self.image_size, self.state_dim = num_cameras, image_size, state_dim
         self._images: list[torch.Tensor | None] = [None] * num_cameras  # [3, S, S] each
         self._state = np.zeros(state_dim)
+        self._state_ns = 0  # the state's capture (its header stamp, wall-clock ns); 0: none
         self._instruction = ""
         self._lock = threading.Lock()
 
@@ -32,9 +33,17 @@ class ObservationBuffer:
         with self._lock:
             self._images[camera] = image
 
-    def set_state(self, state: np.ndarray) -> None:
+    def set_state(self, state: np.ndarray, stamp_ns: int = 0) -> None:
+        """The robot state and when it was captured (header stamp, ns; 0: unstamped)."""
         with self._lock:
             self._state = np.asarray(state, dtype=np.float64)[: self.state_dim].copy()
+            self._state_ns = int(stamp_ns)
+
+    def state_stamp_ns(self) -> int:
+        """When the latest state was captured (wall-clock ns), 0 if unstamped or none yet:
+        the tick the cycle thread stamps the chunk with (the chunk starts from this state)."""
+        with self._lock:
+            return self._state_ns
 
     def set_instruction(self, text: str) -> None:
         with self._lock:

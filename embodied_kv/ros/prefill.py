@@ -109,6 +109,7 @@ class PrefillNode(EmbodiedNode):
             )
         )
         self.host.observation = self.buffer.observation
+        self.host.observed_ns = self.buffer.state_stamp_ns
         limit = self.param("max_instruction_chars")
         self.execute = ExecuteServer(self, self.buffer.set_instruction, limit)
         listed = ", ".join(f"{n} <- {t}" + (" (compressed)" if c else "") for n, t, c in cameras)
@@ -133,6 +134,7 @@ class PrefillNode(EmbodiedNode):
             self.converter.stop()
         self.converter = None
         self.host.observation = lambda: None
+        self.host.observed_ns = lambda: 0
         for sub in self._subs:
             self.destroy_subscription(sub)
         self._subs.clear()
@@ -172,7 +174,8 @@ class PrefillNode(EmbodiedNode):
         except ValueError as e:
             self.reject("joint_states", str(e))
             return
-        self.buffer.set_state(state)
+        stamp = msg.header.stamp
+        self.buffer.set_state(state, stamp.sec * 10**9 + stamp.nanosec)
 
     def _state_of(self, msg: JointState) -> list[float]:
         """Positions in joint_names order when the message names its joints, else as sent."""

@@ -19,7 +19,7 @@ from embodied_kv.engine.loading import own_layout_config
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, world_config
 from embodied_kv.model.vla import build_model
-from embodied_kv.model.weights import load_weights, save_weights
+from embodied_kv.model.weights import SHAPE_FREE, load_weights, save_weights
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.action_bins import action_id_range, noisy_inputs
 from embodied_kv.train.batch import make_batch
@@ -34,6 +34,7 @@ from embodied_kv.train.resume import (
 )
 from embodied_kv.train.samples import StepSamples
 from embodied_kv.world.dataset import DataConfig, Sample
+from embodied_kv.world.expert import labels_of
 
 FREEZABLE = ("vision", "backbone", "expert")  # the model's parts (VLA.vision, ...)
 TRAIN_SEED_STRIDE = 2**32  # seeds of run `seed` never meet those of another run
@@ -176,6 +177,13 @@ class TrainConfig:
             raise ValueError(f"seed {self.seed} must be in [0, 32768)")
 
 
+def model_data(data: DataConfig, mcfg: ModelConfig) -> DataConfig:
+    """`data` made for the model: its image and patch size, its chunk and its labels."""
+    return DataConfig(**{**vars(data), "image_size": mcfg.vision.image_size,
+                         "patch": mcfg.vision.patch_size, "horizon": mcfg.action_horizon,
+                         "labels": labels_of(mcfg.name)})  # fmt: skip
+
+
 def data_seed(seed: int, step: int, i: int, batch: int) -> int:
     return seed * TRAIN_SEED_STRIDE + step * batch + i
 
@@ -219,12 +227,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     tok_path = save_tokenizer(out / TOKENIZER_FILE)
     mcfg = model_config(cfg.preset, cfg.seed, cfg.init)
-    data = DataConfig(**{**vars(cfg.data), "image_size": mcfg.vision.image_size,
-                         "patch": mcfg.vision.patch_size,
-                         "horizon": mcfg.action_horizon})  # fmt: skip
+    data = model_data(cfg.data, mcfg)
     model = build_model(mcfg, cfg.device, torch.float32, tokenizer_path=str(tok_path))
     if cfg.init and not cfg.resume:  # resumed: the weights come from the state
-        load_weights(model, cfg.init)  # ValueError naming the mismatch: nothing trained
+        # ValueError naming the mismatch: nothing trained. Another preset's weights of the
+        # same parameters start a preset with a longer chunk (world -> world_smooth)
+        load_weights(model, cfg.init, SHAPE_FREE)
     elif cfg.embed_std > 0 and not cfg.resume:
         redraw_embedding(model, cfg.embed_std, cfg.seed)
     model.train()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embodied_kv.world.expert import expert_action, expert_chunk, steps_to_success
+from embodied_kv.world.expert import ACTION_LABELS, expert_action, expert_chunk, steps_to_success
 from embodied_kv.world.memory import ANSWER_FORMS, sample_queries
 from embodied_kv.world.narration import narrate
 from embodied_kv.world.questions import sample_question
@@ -56,6 +56,7 @@ class DataConfig:
     image_size: int = 64  # world preset: VisionConfig.image_size
     patch: int = 8  # world preset: VisionConfig.patch_size (the patch labels' grid)
     horizon: int = 10  # world preset: action_horizon
+    labels: str = "targets"  # the chunks' labelling (expert.ACTION_LABELS; the preset's labels_of)
     # answer, plan, narration, actions (the `bins` tokens of the chunk)
     text_mix: tuple[float, ...] = (0.3, 0.35, 0.1, 0.25)
     turns: int = 4  # questions per answer / plan sample
@@ -91,6 +92,8 @@ class DataConfig:
             raise ValueError(f"bad data config: {self}")
         if self.two_hop_answer not in ANSWER_FORMS:
             raise ValueError(f"two_hop_answer {self.two_hop_answer!r}: one of {ANSWER_FORMS}")
+        if self.labels not in ACTION_LABELS:
+            raise ValueError(f"labels {self.labels!r}: one of {ACTION_LABELS}")
         if self.rollout not in ROLLOUTS:
             raise ValueError(f"rollout {self.rollout!r}: one of {ROLLOUTS}")
         if self.visited_share > 0 and not self.visited:
@@ -166,7 +169,7 @@ def scene_sample(cfg: DataConfig, scene: Scene, task: PutTask, kind: str,
         images=observation_images(scene, cfg.image_size),
         state=scene.state(),
         instruction=task.instruction,
-        actions=expert_chunk(scene, task, cfg.horizon),
+        actions=expert_chunk(scene, task, cfg.horizon, cfg.labels),
         kind=kind,
         turns=turns,
         patches=patches,

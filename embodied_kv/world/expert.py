@@ -1,7 +1,16 @@
 """The scripted expert: a reactive pick-and-place controller, and its action chunks.
 
 A chunk is the controller run forward on a copy of the scene (the physics is
-deterministic), so chunk step k is what the expert would command k steps ahead."""
+deterministic), so chunk step k is what the expert would command k steps ahead.
+
+Two labellings of the same motion (`ACTION_LABELS`):
+    targets    the controller's commands: far targets the physics reaches at its speed
+               limit (the arm's z target flips between +1 and -1 between phases, so
+               consecutive actions differ by up to 2 while the arm moves 0.25-0.5)
+    waypoints  the arm's position after each step, within one step's reach: commanding it
+               moves the arm exactly as the target did (Scene.step's clip never binds), and
+               consecutive actions differ by the arm's own motion, as a real robot's
+               joint-position targets do (the `world_smooth` preset's labels)"""
 
 from __future__ import annotations
 
@@ -15,6 +24,8 @@ ON_TARGET = 0.04  # xy distance that counts as over a target
 # the expert's phases grouped as the task's stages (per-phase errors in train and eval)
 STAGES = {"moves": "approach", "lowers": "grasp", "grasps": "grasp", "carries": "carry",
           "releases": "release", "done": "done"}  # fmt: skip
+ACTION_LABELS = ("targets", "waypoints")
+PRESET_LABELS = {"world_smooth": "waypoints"}  # model preset -> its labels; else targets
 MAX_EXPERT_STEPS = 100  # the expert succeeds within ~15-30 steps from any start
 
 
@@ -58,13 +69,23 @@ def expert_action(scene: Scene, task: PutTask) -> tuple[np.ndarray, str]:
     return act, "grasps"
 
 
-def expert_chunk(scene: Scene, task: PutTask, horizon: int) -> np.ndarray:
-    """The next `horizon` expert actions -> [horizon, ACTION_DIM]; `scene` is not changed."""
+def labels_of(preset: str) -> str:
+    """The labelling a model preset was trained on (ACTION_LABELS)."""
+    return PRESET_LABELS.get(preset, "targets")
+
+
+def expert_chunk(scene: Scene, task: PutTask, horizon: int, labels: str = "targets") -> np.ndarray:
+    """The next `horizon` expert actions -> [horizon, ACTION_DIM] in `labels` (ACTION_LABELS);
+    `scene` is not changed."""
     if horizon < 1:
         raise ValueError(f"horizon {horizon} must be >= 1")
+    if labels not in ACTION_LABELS:
+        raise ValueError(f"labels {labels!r}: one of {ACTION_LABELS}")
     sim = scene.copy()
     out = np.zeros((horizon, ACTION_DIM))
     for k in range(horizon):
         out[k], _ = expert_action(sim, task)
         sim.step(out[k])
+        if labels == "waypoints":
+            out[k, :3] = (sim.arm.x, sim.arm.y, sim.arm.z)
     return out

@@ -1,12 +1,17 @@
 """`bench rtc`'s timeline: the injected delay reaches the queue's measurement and RTC's
 guide, switches and their jumps are counted where chunks land, temporal ensembling
-averages landed chunks with ACT's weights. World preset, random weights (structure, not
-skill); the real run (shipped weights) is bench/results/.../rtc_quick.json."""
+averages landed chunks with ACT's weights. World presets with random weights (structure,
+not skill); on the shipped world_smooth weights RTC joins the chunks (the full run:
+bench/results/2026-11-27-cpu-intel-xeon-2core/rtc_full_smooth.json)."""
 
 import numpy as np
 import pytest
 
 from embodied_kv.bench import rtc as bench
+from embodied_kv.engine.loading import shipped_weights
+from embodied_kv.model.trained import TOKENIZER_FILE, load_trained, world_config
+from embodied_kv.model.vla import build_model
+from embodied_kv.model.word_tokenizer import save_tokenizer
 
 from ..kv.conftest import world_model  # noqa: F401
 
@@ -52,3 +57,34 @@ def test_ensemble_weights_the_oldest_chunk_most():
     want = (w[0] * 1 + w[1] * 3) / w.sum()
     assert np.allclose(ex.action(3), want)
     assert ex.action(9).tolist() == pytest.approx([want, want])  # none covers: the last
+
+
+def test_the_smooth_world_runs_with_its_30_action_chunk(tmp_path):
+    """`--preset world_smooth` (the default): a 30-action chunk covers d = 8 and the cycle
+    after it, so every switch is from one landed chunk to the next (none runs out)."""
+    tok = save_tokenizer(tmp_path / TOKENIZER_FILE)
+    model = build_model(world_config("world_smooth"), tokenizer_path=str(tok))
+    ex = bench.Guided("error")
+    engine = bench.make_engine(model, ex.rtc)
+    assert engine.loop.model.cfg.action_horizon == 30 and bench.WORLDS[0] == "world_smooth"
+    trace = bench.run_episode(engine, ex, 0, 8)
+    assert len(trace.actions) == bench.TICKS
+    assert len(trace.switch_gaps) == len(trace.jumps) > 0  # the old chunk held every switch
+    counters = engine.loop.rtc.counters
+    assert counters.guided == counters.chunks - 1 and counters.last_delay == 8
+
+
+def test_rtc_joins_the_shipped_smooth_world_s_chunks():
+    """The issue's measurement in small (bench rtc: 20 episodes, 4.4x at d = 8): on the
+    shipped world_smooth weights at d = 8, guided chunks (`error`) join the executing one:
+    the largest jump at a switch at least halves and what chunking adds at the switch (the
+    gap to the old chunk's action) falls at least 10x. Deterministic on a CPU."""
+    model = load_trained(shipped_weights("world_smooth"))
+    rows = {}
+    for ex in (bench.Naive(), bench.Guided("error")):
+        engine = bench.make_engine(model, ex.rtc)
+        rows[ex.name] = bench.summarise([bench.run_episode(engine, ex, e, 8) for e in range(3)])
+    naive, rtc = rows["naive"], rows["rtc-error"]
+    assert naive["switches"] > 0 and rtc["switches"] > 0
+    assert rtc["jump_max"] <= naive["jump_max"] / 2, (naive, rtc)
+    assert rtc["switch_gap"] <= naive["switch_gap"] / 10, (naive, rtc)

@@ -29,6 +29,20 @@ def test_blend_over_the_overlap():
     assert a4 == 102  # past the blend window: the new chunk alone
 
 
+def test_blend_starts_where_the_chunk_lands_not_at_its_past_start():
+    """A chunk observed at tick 2 that lands after tick 3 was popped (d = 2): ticks 2, 3
+    are past, so the blend mixes ticks 4 and 5, where the robot switches."""
+    q = ActionQueue(horizon=8, action_dim=2, blend=2)
+    q.push(chunk(0, h=8), start_tick=0)
+    assert [q.pop(t)[0][0] for t in range(4)] == [0, 1, 2, 3]
+    q.push(chunk(100, h=8), start_tick=2)
+    a4, a5, a6 = q.pop(4)[0][0], q.pop(5)[0][0], q.pop(6)[0][0]
+    assert a4 == pytest.approx(1 / 3 * 102 + 2 / 3 * 4)
+    assert a5 == pytest.approx(2 / 3 * 103 + 1 / 3 * 5)
+    assert a6 == 104
+    assert q.switches.last_delay == 2
+
+
 def test_deterministic_and_validated():
     runs = []
     for _ in range(2):

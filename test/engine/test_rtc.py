@@ -186,3 +186,20 @@ def test_rtc_parameters_make_the_engines_rtc_config():
                                  ("rtc.enabled", "yes", "true or false")):  # fmt: skip
         with pytest.raises(ValueError, match=complaint):
             engine_config((values | {name: bad}).__getitem__)
+
+
+def test_a_new_instruction_starts_a_chunk_no_guide_ties_to_the_old_task(tiny_model):
+    """The chunk executing when the instruction changes was planned for the old task: the
+    next chunk is sampled free (as an episode's first), the robot keeps executing the old
+    chunk until it lands, and guidance resumes with the chunk after."""
+    _, engine = run_engine(tiny_model, RTCConfig(enabled=True, guidance="error"), cycles=2)
+    counters = engine.loop.rtc.counters
+    assert counters.last_applied and counters.guided == 1
+    t0 = 2 * REPLAN
+    engine.observe(synthetic_observation(tiny_model.cfg, 2, "unstack the cups"))
+    assert engine.queue.previous(t0) is None and engine.queue.pop(t0)[1]  # still executing
+    engine.cycle(t0)
+    assert not counters.last_applied and counters.guided == 1
+    engine.observe(synthetic_observation(tiny_model.cfg, 3, "unstack the cups"))
+    engine.cycle(t0 + REPLAN)
+    assert counters.last_applied and counters.guided == 2

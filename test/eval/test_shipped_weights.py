@@ -13,6 +13,9 @@ be there: a checkout without it fails here (it is not skipped)."""
 
 from __future__ import annotations
 
+import torch
+from safetensors.torch import load_file
+
 from embodied_kv.engine.loading import SHIPPED, shipped_weights
 from embodied_kv.eval.items import EvalConfig
 from embodied_kv.eval.world import evaluate
@@ -26,6 +29,9 @@ MIN_AR_SUCCESS = 0.66  # 8 of 12 episodes, `action_mode: ar` (~25 s)
 # held-out seeds (EvalConfig.seed); small enough for < 30 s on the 2-core CPU
 CI_SET = EvalConfig(episodes=12, questions=24, memory=24)
 AR_SET = EvalConfig(episodes=12, questions=0, memory=0, action_mode="ar")
+# world_smooth: the CI episodes, actions only (its text is world's, bytes compared)
+SMOOTH_SET = EvalConfig(episodes=12, questions=0, memory=0)
+MIN_SMOOTH_SUCCESS = 0.91  # 11 of 12; the shipped weights: 12 of 12 (50 episodes: 0.92)
 
 
 def test_shipped_world_weights_meet_the_ci_thresholds():
@@ -45,3 +51,19 @@ def test_shipped_world_weights_act_in_ar_mode():
     assert path is not None, f"the shipped world model {SHIPPED['world']} is missing"
     row = evaluate(load_trained(path), AR_SET)
     assert row["success"] >= MIN_AR_SUCCESS, f"ar success {row['success']} < {MIN_AR_SUCCESS}"
+
+
+def test_shipped_world_smooth_weights_are_world_s_with_an_expert_that_acts():
+    """`world_smooth` (embodied_kv/data/world_smooth/): the action expert fine-tuned alone on
+    waypoint labels over 30 actions, so every other weight is `world`'s in bytes (its text
+    skills are the world model's), and it completes the task on the CI episodes."""
+    path = shipped_weights("world_smooth")
+    assert path is not None, f"the shipped model {SHIPPED['world_smooth']} is missing"
+    smooth, world = load_file(path), load_file(shipped_weights("world"))
+    assert smooth.keys() == world.keys()
+    moved = {k for k in world if not torch.equal(world[k], smooth[k])}
+    assert moved and all(k.startswith("expert.") for k in moved)
+    model = load_trained(path)
+    assert (model.cfg.name, model.cfg.action_horizon) == ("world_smooth", 30)
+    row = evaluate(model, SMOOTH_SET)
+    assert row["success"] >= MIN_SMOOTH_SUCCESS, f"success {row['success']} < {MIN_SMOOTH_SUCCESS}"

@@ -6,14 +6,16 @@ position regression's targets are each patch's column and row."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from embodied_kv.model.trained import WEIGHTS_FILE, load_trained
+from embodied_kv.model.weights import SHAPE_FREE, load_weights
 from embodied_kv.train.batch import make_batch
 from embodied_kv.train.forward import backbone_forward, expert_velocity
-from embodied_kv.train.loop import TrainConfig, train
+from embodied_kv.train.loop import TrainConfig, model_data, train
 from embodied_kv.train.losses import position_targets, prefix_only
 from embodied_kv.world.dataset import DataConfig, make_sample
 
@@ -96,3 +98,31 @@ def test_the_command_line_reaches_the_config(tmp_path):
     cfg = train_config(args)
     assert cfg.freeze == ("vision", "backbone") and cfg.position_weight == 0.5
     assert cfg.data.visited == str(tmp_path / "v.json") and cfg.data.visited_share == 0.25
+
+
+def test_world_smooth_learns_waypoints_from_the_world_s_weights(tmp_path):
+    """`--preset world_smooth --init <world weights>`: the same parameters with a 30-action
+    chunk; only the expert moves, on the waypoint labels; a world file loads into a
+    world_smooth model only where the fine-tune allows the chunk to differ."""
+    base = tmp_path / "base"
+    train(TrainConfig(out=str(base), steps=1, batch=3, curriculum=0, data=DATA), progress=False)
+    init = str(base / WEIGHTS_FILE)
+    out = tmp_path / "smooth"
+    train(TrainConfig(out=str(out), preset="world_smooth", steps=2, init=init, **RECIPE),
+          progress=False)  # fmt: skip
+    model = load_trained(out / WEIGHTS_FILE)
+    assert (model.cfg.name, model.cfg.action_horizon) == ("world_smooth", 30)
+    before, after = load_file(init), load_file(out / WEIGHTS_FILE)
+    assert before.keys() == after.keys()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.startswith("expert.") for k in moved)
+    data = model_data(DATA, model.cfg)  # what the run's samples were made with
+    assert (data.labels, data.horizon) == ("waypoints", 30)
+    sample = make_sample(data, 5)
+    assert sample.actions.shape == (30, 8)
+    assert np.abs(np.diff(sample.actions[:, 2])).max() <= 0.5 + 1e-9  # z within a step
+    with pytest.raises(ValueError, match="another model config"):
+        load_weights(model, init)  # a different chunk is allowed only when asked for
+    load_weights(model, init, SHAPE_FREE)
+    with pytest.raises(ValueError, match="only fields"):
+        load_weights(model, init, ("expert",))
