@@ -57,7 +57,7 @@ from embodied_kv.eval.runners import world_observation
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.rtc import RTCConfig, sample_guided
-from embodied_kv.model.trained import load_trained
+from embodied_kv.model.trained import WORLD_PRESETS, load_trained
 from embodied_kv.model.vla import MAX_POSITIONS, denoise_rows
 from embodied_kv.storage.arena import ArenaSpec, KVArena
 from embodied_kv.train.loop import EVAL_SEED_BASE
@@ -65,7 +65,7 @@ from embodied_kv.world.scene import make_scene
 from embodied_kv.world.tasks import sample_task
 
 DELAYS = (0, 2, 4, 8)
-WORLDS = ("world_smooth", "world")  # presets with shipped weights it runs on; the default first
+DEFAULT_WORLD = "world_smooth"  # of the world presets (model/trained.py WORLD_PRESETS)
 REPLAN = 5  # ticks per cycle without delay (EngineConfig.replan_every, eval world's)
 TICKS = 60  # per episode: eval world's 12 cycles x 5 actions
 MOTION_DIMS = 3  # x, y, z: the arm's position targets (Scene.step reads these and the
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                    "20 full)")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="pi05-width expert layers for the "
                    "latency rows (0: 1 quick, 2 full; pi0.5 has 18)")  # fmt: skip
-    p.add_argument("--world", choices=WORLDS, default=WORLDS[0],
+    p.add_argument("--world", choices=WORLD_PRESETS, default=DEFAULT_WORLD,
                    help="the world model: world_smooth (waypoints, H 30) or world (far "
                         "targets, H 10)")  # fmt: skip
     p.add_argument("--ticks", type=int, default=TICKS, help="per episode (default: "

@@ -21,7 +21,12 @@ from embodied_kv.model.action_tokens import action_model_config
 from embodied_kv.model.checkpoint import load_pi05_checkpoint
 from embodied_kv.model.config import ModelConfig, get_preset
 from embodied_kv.model.robot_loader import find_tokenizer
-from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, config_from_json
+from embodied_kv.model.trained import (
+    TOKENIZER_FILE,
+    WEIGHTS_FILE,
+    WORLD_PRESETS,
+    config_from_json,
+)
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.weights import FORMAT, load_weights
 from embodied_kv.model.word_tokenizer import save_tokenizer
@@ -30,8 +35,7 @@ if TYPE_CHECKING:
     from embodied_kv.engine.engine import EngineConfig
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-# preset -> its trained weights
-SHIPPED = {name: DATA_DIR / name / WEIGHTS_FILE for name in ("world", "world_smooth")}
+SHIPPED = {name: DATA_DIR / name / WEIGHTS_FILE for name in WORLD_PRESETS}  # preset -> weights
 
 
 @dataclass(frozen=True)

@@ -69,16 +69,14 @@ def config_json(cfg) -> str:
 
 
 def _same_config(saved: str | None, cfg, may_differ: tuple[str, ...]) -> bool:
+    """The file's config (JSON) equals `cfg` but in the fields `may_differ`."""
     if saved is None:
         return False
-    if not may_differ:
-        return saved == config_json(cfg)
-    d = json.loads(saved)
-    ours = dataclasses.asdict(cfg)
+    theirs, ours = json.loads(saved), json.loads(config_json(cfg))
     for k in may_differ:
-        d.pop(k, None)
+        theirs.pop(k, None)
         ours.pop(k, None)
-    return d == ours
+    return theirs == ours
 
 
 def weights_digest(model: nn.Module) -> str:

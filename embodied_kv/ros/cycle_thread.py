@@ -89,13 +89,12 @@ class CycleThread(Worker):
     def observed_tick(self, start: int) -> int:
         """The tick the observation was captured at, for a cycle starting at `start`."""
         ns = self._observed_ns()
-        tick = self.clock.tick_of_wall_ns(ns) if ns > 0 else start + 1
-        age = start - tick
+        age = start - self.clock.tick_of_wall_ns(ns) if ns > 0 else -1
         if not 0 <= age <= self.max_age:  # none, from the future, or older than a chunk
             self.counters.unstamped += 1
-            tick, age = start, 0
+            age = 0
         self.counters.observation_age_ticks = age
-        return tick
+        return start - age
 
     def _cycle(self, obs: Observation, tick: int) -> None:
         engine = self.engine

@@ -66,7 +66,7 @@ def test_the_smooth_world_runs_with_its_30_action_chunk(tmp_path):
     model = build_model(world_config("world_smooth"), tokenizer_path=str(tok))
     ex = bench.Guided("error")
     engine = bench.make_engine(model, ex.rtc)
-    assert engine.loop.model.cfg.action_horizon == 30 and bench.WORLDS[0] == "world_smooth"
+    assert engine.loop.model.cfg.action_horizon == 30 and bench.DEFAULT_WORLD == "world_smooth"
     trace = bench.run_episode(engine, ex, 0, 8)
     assert len(trace.actions) == bench.TICKS
     assert len(trace.switch_gaps) == len(trace.jumps) > 0  # the old chunk held every switch
