@@ -3,21 +3,7 @@ ensembling, closed loop on the world (the `world_smooth` preset's shipped weight
 default: waypoint actions, H = 30; `--world world`: far targets, H = 10) and the simulated
 robot, with an injected inference delay d; and RTC's latency cost at pi05 widths.
 
-Timeline of one episode (ticks; a cycle every p = max(replan_every, d) ticks):
-
-    t0: observe ──┬── d ticks executed from the old chunk ──┬── new chunk lands (t0 + d)
-                  │   (inference running)                   │   executed until t0 + p
-    the chunk covers t0 .. t0+H-1; its first d actions are stale when it lands
-
-The first chunk of an episode lands at once (the robot waits for it). A tick no chunk
-covers repeats the last action (at d = 8 with `world`'s H = 10: ticks t0+10 .. t0+15).
-
-Methods (one object each behind `Executor`):
-    naive     the engine's ActionQueue, blend 0: switch to the new chunk where it lands
-    ensemble  ACT's temporal ensembling: every landed chunk covering the tick, averaged with
-              weights exp(-m i), i = 0 the oldest (ACT: m = 0.01)
-    rtc-vjp   the queue, chunks guided by RTC (model/rtc.py), d measured by the queue
-    rtc-error the same with LeRobot's guidance (no backward pass)
+The closed loop, its timeline and the methods: eval/delayed.py.
 
 Metrics, over the arm's position targets (x, y, z; the gripper's open / close is a step of
 2 by design), robot units:
@@ -44,16 +30,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from embodied_kv.bench import harness
 from embodied_kv.bench.report import print_table
-from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.loading import shipped_weights
-from embodied_kv.eval.runners import world_observation
+from embodied_kv.eval.delayed import REPLAN, TICKS, Trace, make_engine, methods, run_episode
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.rtc import RTCConfig, sample_guided
@@ -61,144 +46,11 @@ from embodied_kv.model.trained import WORLD_PRESETS, load_trained
 from embodied_kv.model.vla import MAX_POSITIONS, denoise_rows
 from embodied_kv.storage.arena import ArenaSpec, KVArena
 from embodied_kv.train.loop import EVAL_SEED_BASE
-from embodied_kv.world.scene import make_scene
-from embodied_kv.world.tasks import sample_task
 
 DELAYS = (0, 2, 4, 8)
 DEFAULT_WORLD = "world_smooth"  # of the world presets (model/trained.py WORLD_PRESETS)
-REPLAN = 5  # ticks per cycle without delay (EngineConfig.replan_every, eval world's)
-TICKS = 60  # per episode: eval world's 12 cycles x 5 actions
-MOTION_DIMS = 3  # x, y, z: the arm's position targets (Scene.step reads these and the
-# gripper, whose open/close command is a step of 2 by design and is left out)
-ENSEMBLE_M = 0.01  # ACT temporal_ensemble_coeff
 SEED = EVAL_SEED_BASE + 7 * 10**6  # held out, apart from eval world's items
 PI05_PREFIX = 3 * 256 + 48  # 3 cameras + the published 48-token prompt
-
-
-@dataclass
-class Trace:
-    actions: list[np.ndarray] = field(default_factory=list)
-    jumps: list[float] = field(default_factory=list)  # at switches
-    lead_gaps: list[float] = field(default_factory=list)  # per chunk: the d stale actions
-    switch_gaps: list[float] = field(default_factory=list)  # new vs old chunk at the switch
-    steps: list[float] = field(default_factory=list)  # |a_t - a_{t-1}| at every other tick
-    success: bool = False
-
-
-class Executor:
-    """What the robot executes each tick, given the chunks that have landed."""
-
-    name = ""
-    rtc: RTCConfig = RTCConfig()
-
-    def reset(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def landed(self, chunk: np.ndarray, start: int) -> None:  # noqa: B027 (optional hook)
-        pass
-
-    def action(self, tick: int) -> np.ndarray:
-        return self.engine.queue.pop(tick)[0]
-
-
-class Naive(Executor):
-    name = "naive"
-
-
-class Guided(Executor):
-    def __init__(self, guidance: str, execution_horizon: int = 0):
-        self.name = f"rtc-{guidance}"
-        self.rtc = RTCConfig(enabled=True, guidance=guidance, execution_horizon=execution_horizon)
-
-
-class Ensemble(Executor):
-    name = "ensemble"
-
-    def reset(self, engine: Engine) -> None:
-        super().reset(engine)
-        self.chunks: list[tuple[int, np.ndarray]] = []
-        self.last = np.zeros(engine.robot.action_dim)
-
-    def landed(self, chunk: np.ndarray, start: int) -> None:
-        self.chunks.append((start, np.asarray(chunk, np.float64)))
-
-    def action(self, tick: int) -> np.ndarray:
-        self.engine.queue.pop(tick)  # the queue's own bookkeeping (delay), unused
-        rows = [c[tick - s] for s, c in self.chunks if 0 <= tick - s < len(c)]
-        if rows:
-            w = np.exp(-ENSEMBLE_M * np.arange(len(rows)))  # oldest first, weighted most
-            self.last = (w[:, None] * np.stack(rows)).sum(0) / w.sum()
-        return self.last.copy()
-
-
-def methods(execution_horizon: int = 0) -> list[Executor]:
-    return [Naive(), Ensemble(), Guided("vjp", execution_horizon),
-            Guided("error", execution_horizon)]  # fmt: skip
-
-
-def make_engine(model, rtc: RTCConfig) -> Engine:
-    cfg = EngineConfig(
-        preset=model.cfg.name, control_hz=1e-3, replan_every=REPLAN, blend=0, history=0,
-        narrate_every=0, auto_episode_capsule=False, cuda_graphs=False, num_slots=2, rtc=rtc,
-    )  # fmt: skip
-    return Engine(cfg, model=model)
-
-
-def run_episode(engine: Engine, ex: Executor, index: int, delay: int, ticks: int = TICKS) -> Trace:
-    rng = np.random.default_rng(SEED + index)
-    scene = make_scene(rng)
-    task = sample_task(scene, rng)
-    engine.begin_episode()
-    ex.reset(engine)
-    size = engine.model.cfg.vision.image_size
-    period = max(REPLAN, delay)
-    trace, tick, first = Trace(), 0, True
-    switch_tick = None  # the first tick executed from the newest chunk (at d = p: next cycle's)
-    prev, prev_start = np.zeros((0, MOTION_DIMS)), 0  # the last chunk that landed
-    old_chunk, old_start = prev, 0  # the one before it
-
-    def execute(k: int) -> bool:
-        nonlocal switch_tick
-        a = np.asarray(ex.action(k), np.float64)
-        if trace.actions:
-            step = float(np.linalg.norm(a[:MOTION_DIMS] - trace.actions[-1]))
-            (trace.jumps if k == switch_tick else trace.steps).append(step)
-        if k == switch_tick:  # what is executed against what the old chunk had for this tick
-            if len(old_chunk) > k - old_start:
-                old_a = old_chunk[k - old_start, :MOTION_DIMS]
-                trace.switch_gaps.append(float(np.linalg.norm(a[:MOTION_DIMS] - old_a)))
-            switch_tick = None
-        trace.actions.append(a[:MOTION_DIMS].copy())
-        scene.step(a)
-        return task.success(scene)
-
-    while tick < ticks:
-        t0 = tick
-        engine.observe(world_observation(scene, task.instruction, size))
-        lag = 0 if first else delay
-        for k in range(t0, min(t0 + lag, ticks)):  # inference running: the old chunk
-            if execute(k):
-                trace.success = True
-                return trace
-        if t0 + lag >= ticks:
-            break
-        result = engine.cycle(t0)
-        ex.landed(result.chunk, t0)
-        if not first:
-            switch_tick = t0 + lag
-            lead = min(lag, len(prev) - (t0 - prev_start))  # stale actions both chunks hold
-            if lead > 0:
-                old = prev[t0 - prev_start : t0 - prev_start + lead, :MOTION_DIMS]
-                gaps = np.linalg.norm(result.chunk[:lead, :MOTION_DIMS] - old, axis=1)
-                trace.lead_gaps.append(float(gaps.max()))
-        old_chunk, old_start = prev, prev_start
-        prev, prev_start = np.asarray(result.chunk, np.float64), t0
-        for k in range(t0 + lag, min(t0 + period, ticks)):
-            if execute(k):
-                trace.success = True
-                return trace
-        tick, first = t0 + period, False
-    return trace
 
 
 def summarise(traces: list[Trace]) -> dict:
@@ -231,7 +83,7 @@ def closed_loop(model, episodes: int, env, execution_horizon: int = 0,
     for ex in methods(execution_horizon):
         engine = make_engine(model, ex.rtc)
         for d in DELAYS:
-            traces = [run_episode(engine, ex, e, d, ticks) for e in range(episodes)]
+            traces = [run_episode(engine, ex, SEED + e, d, ticks) for e in range(episodes)]
             row = {"method": ex.name, "delay": d, **summarise(traces)}
             # per episode: the ticks it took to succeed, -1 where it did not within `ticks`
             row["episode_ticks"] = [len(t.actions) if t.success else -1 for t in traces]
@@ -288,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embodied-kv bench rtc", description=__doc__.split("\n")[0])
     harness.add_common_args(p)
     p.add_argument("--episodes", type=int, default=0, help="per method and delay (0: 6 quick, "
-                   "20 full)")  # fmt: skip
+                   "60 full)")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="pi05-width expert layers for the "
                    "latency rows (0: 1 quick, 2 full; pi0.5 has 18)")  # fmt: skip
     p.add_argument("--world", choices=WORLD_PRESETS, default=DEFAULT_WORLD,
@@ -300,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="RTC's s (rtc.execution_horizon; default 0: the replan period, 5)")
     a = harness.parse(p, argv)
     env = harness.Environment.start(a, argv)
-    episodes = a.episodes or (6 if a.quick else 20)
+    episodes = a.episodes or (6 if a.quick else 60)
     layers = a.layers or (1 if a.quick else 2)
     weights = shipped_weights(a.world)
     if weights is None:

@@ -12,6 +12,13 @@ before the policy's next chunk, until the task succeeds or the cycles run out.
     embodied-kv eval visited --weights out/run/weights.safetensors --episodes 400 \\
         --out out/visited.json
     embodied-kv train ... --visited out/visited.json --visited-share 0.5
+
+`--delays 0,4,8 --executors naive,rtc-error` collects instead the states reached under an
+injected inference delay (eval/delayed.py, `bench rtc`'s closed loop): each episode run
+once per executor and delay, a state at every cycle's observation after the first. A
+policy executed late, or through real-time chunking (which keeps the previous chunk's
+plan), reaches states the plain loop does not: a grasp missed while the old plan went on
+to the container, the arm above it with nothing held.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 
 import numpy as np
 
+from embodied_kv.eval import delayed
 from embodied_kv.eval.items import EvalConfig
 from embodied_kv.eval.runners import EngineRunner
 from embodied_kv.eval.world import default_weights, make_engine
@@ -57,6 +65,38 @@ def collect(runner, cfg: EvalConfig, episodes: int, first: int = 0) -> list[Visi
     return out
 
 
+def collect_delayed(model, episodes: int, first: int = 0, delays: tuple[int, ...] = (0, 4, 8),
+                    executors: tuple[str, ...] = ("naive", "rtc-error"),
+                    ticks: int = delayed.TICKS) -> list[VisitedState]:  # fmt: skip
+    """Episodes first .. first+episodes-1 from VISITED_SEED_BASE, each run by every executor
+    (eval/delayed.py EXECUTORS) at every delay -> the states seen at each cycle after the
+    first, in that order (episode, executor, delay)."""
+    if episodes < 1 or first < 0 or not delays or not executors:
+        raise ValueError(f"episodes={episodes} >= 1, first={first} >= 0, delays={delays} and "
+                         f"executors={executors} not empty")  # fmt: skip
+    if any(d < 0 for d in delays):
+        raise ValueError(f"delays={delays}: ticks, >= 0")
+    runs = [(ex, delayed.make_engine(model, ex.rtc)) for ex in map(delayed.executor, executors)]
+    out: list[VisitedState] = []
+    for e in range(first, first + episodes):
+        seed = VISITED_SEED_BASE + e
+
+        def visit(acts: np.ndarray, seed: int = seed) -> None:
+            out.append(VisitedState(seed, acts))
+
+        for ex, engine in runs:
+            for d in delays:
+                delayed.run_episode(engine, ex, seed, d, ticks, visit)
+    return out
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="embodied-kv eval visited",
                                 description=__doc__.split("\n")[0])  # fmt: skip
@@ -66,13 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=200)
     p.add_argument("--first", type=int, default=0, help="first episode index (more states "
                    "for a file made before: another range)")  # fmt: skip
+    p.add_argument("--delays", type=_ints, default=(), help="injected inference delays in "
+                   "ticks, e.g. 0,4,8: collect under the delayed loop (default: the plain loop)")
+    p.add_argument("--executors", default="naive,rtc-error", help="with --delays: of "
+                   f"{','.join(delayed.EXECUTORS)}")  # fmt: skip
     a = p.parse_args(argv)
     weights = default_weights() if a.weights is None else a.weights
     if not weights:
         raise ValueError("no weights: pass --weights (no shipped world weights installed)")
-    cfg = EvalConfig()
-    runner = EngineRunner(make_engine(load_trained(weights, a.tokenizer or None), cfg))
-    states = collect(runner, cfg, a.episodes, a.first)
+    model = load_trained(weights, a.tokenizer or None)
+    if a.delays:
+        names = tuple(x.strip() for x in a.executors.split(",") if x.strip())
+        states = collect_delayed(model, a.episodes, a.first, a.delays, names)
+    else:
+        cfg = EvalConfig()
+        states = collect(EngineRunner(make_engine(model, cfg)), cfg, a.episodes, a.first)
     save_visited(states, a.out)
     steps = [len(s.actions) for s in states]
     print(f"eval visited: {len(states)} states from {a.episodes} episodes (weights {weights}); "

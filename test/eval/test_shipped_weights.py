@@ -31,7 +31,7 @@ CI_SET = EvalConfig(episodes=12, questions=24, memory=24)
 AR_SET = EvalConfig(episodes=12, questions=0, memory=0, action_mode="ar")
 # world_smooth: the CI episodes, actions only (its text is world's, bytes compared)
 SMOOTH_SET = EvalConfig(episodes=12, questions=0, memory=0)
-MIN_SMOOTH_SUCCESS = 0.91  # 11 of 12; the shipped weights: 12 of 12 (50 episodes: 0.92)
+MIN_SMOOTH_SUCCESS = 0.91  # 11 of 12; the shipped weights: 12 of 12 (50 episodes: 0.94)
 
 
 def test_shipped_world_weights_meet_the_ci_thresholds():

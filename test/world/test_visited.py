@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from embodied_kv.eval import delayed
 from embodied_kv.eval.items import EvalConfig
 from embodied_kv.eval.runners import EngineRunner
-from embodied_kv.eval.visited import VISITED_SEED_BASE, collect, main
+from embodied_kv.eval.visited import VISITED_SEED_BASE, collect, collect_delayed, main
 from embodied_kv.eval.world import make_engine, random_model
 from embodied_kv.model.trained import world_config
 from embodied_kv.train.loop import EVAL_SEED_BASE
@@ -105,3 +106,29 @@ def test_collect_runs_the_engine_on_seeds_apart_from_training_and_eval(tmp_path)
     out = tmp_path / "states.json"
     assert main(["--episodes", "1", "--out", str(out)]) == 0  # the shipped weights
     assert 1 <= len(load_visited(out)) <= EvalConfig().max_cycles - 1
+
+
+def test_collect_delayed_records_each_cycle_of_each_executor_and_delay(tmp_path):
+    """`eval visited --delays`: the states the delayed loop (eval/delayed.py) reaches, one per
+    cycle after the first, for every executor and delay; a replay is the scene the policy
+    saw (its observation's state)."""
+    model = random_model(world_config())
+    states = collect_delayed(model, 1, delays=(0, 8), executors=("naive", "rtc-error"), ticks=20)
+    # d = 0: cycles at 0, 5, 10, 15; d = 8: at 0, 8, 16 (random weights never succeed)
+    assert [len(s.actions) for s in states] == [5, 10, 15, 8, 16] * 2
+    assert {s.seed for s in states} == {VISITED_SEED_BASE}
+    ex = delayed.executor("naive")
+    seen = []
+    engine = delayed.make_engine(model, ex.rtc)
+    real_observe = engine.observe
+    engine.observe = lambda obs: (seen.append(obs.state.copy()), real_observe(obs))[1]
+    delayed.run_episode(engine, ex, VISITED_SEED_BASE, 8, 20)
+    for state, obs_state in zip(states[3:5], seen[1:], strict=True):
+        scene, _ = state.replay()
+        assert np.array_equal(scene.state(), obs_state)
+    with pytest.raises(ValueError, match="executor 'fast'"):
+        collect_delayed(model, 1, executors=("fast",))
+    out = tmp_path / "states.json"
+    argv = ["--episodes", "1", "--delays", "4", "--executors", "rtc-error", "--out", str(out)]
+    assert main(argv) == 0  # the shipped weights
+    assert len(load_visited(out)) >= 1
