@@ -122,7 +122,12 @@ class FrameLoop:
             )  # fmt: skip
             model_chunk = chunk.float().cpu().numpy()  # [H, A_model] normalised
             chunk = self.robot.actions_out(model_chunk, obs.robot_state)
-            self.queue.push(chunk, tick, model_chunk if self.rtc is not None else None)
+            # RTC holds the next chunk to this one (model units) unless its observation
+            # predates its instruction: a plan made from the scene before the task was given
+            plan = self.rtc is not None and obs.after_instruction
+            if self.rtc is not None and not obs.after_instruction:
+                self.rtc.counters.stale_observations += 1
+            self.queue.push(chunk, tick, model_chunk if plan else None)
             t_action = self.clock()
             self.counters.action_late += int(t_action > deadline)
             prefill_s = self.watch.seconds(prefilled)  # the device is done with it by now

@@ -29,6 +29,8 @@ class RTCCounters:
     guided: int = 0  # of those, guided towards a previous chunk
     last_applied: bool = False  # the last chunk was guided
     last_delay: int | None = None  # d the last guided chunk used (ticks)
+    # chunks from an observation older than its instruction: not kept as the plan
+    stale_observations: int = 0
 
 
 class ChunkGuide:

@@ -59,6 +59,10 @@ class Observation:
     instruction: str
     camera_mask: tuple[bool, ...] | None = None  # None: all cameras present
     robot_state: np.ndarray | None = None  # [S] the same state in robot units (delta actions)
+    # False: the state was captured before the instruction arrived (it shows the scene as it
+    # was before the task was given): its chunk acts, but real-time chunking does not hold
+    # the next chunk to it (engine/frame_loop.py)
+    after_instruction: bool = True
 
 
 @dataclass(frozen=True)

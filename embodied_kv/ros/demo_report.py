@@ -74,6 +74,7 @@ class Report:
             f"{engine.get('chunks_after_deadline', '?')}, cycle overruns "
             f"{engine.get('cycle_overruns', '?')}",
             f"weights: {engine.get('weights', '?')}",
+            *self._joins(engine),
             *self._episodes(),
             f"language: {engine.get('tokens', '?')} tokens in {engine.get('cycles', '?')} engine "
             f"cycles, {_tokens_per_s(engine, self.seconds)} tokens/s over the run, "
@@ -96,6 +97,26 @@ class Report:
         lines += [f"problem: {p}" for p in self.problems]
         lines.append(f"robot process exited with status {robot_status}")
         return "\n".join(lines)
+
+    @staticmethod
+    def _joins(engine: dict[str, str]) -> list[str]:
+        """How chunks joined (/diagnostics, engine section; docs/rtc.md): switches, the
+        largest jump, the measured delay and observation age, and RTC when it is on."""
+        if "chunk_switches" not in engine:
+            return []
+        get = engine.get
+        line = (f"chunk joins: {engine['chunk_switches']} switches, largest jump "
+                f"{get('boundary_jump_max', '?')} (last {get('boundary_jump_last', '?')}); "
+                f"chunk lands {get('inference_delay_ticks', '?')} ticks after its "
+                f"observation, which was {get('observation_age_ticks', '?')} ticks old "
+                "at the cycle's start")  # fmt: skip
+        if engine.get("rtc_enabled") == "True":
+            line += (f"; real-time chunking: {get('rtc_guided_chunks', '?')} chunks "
+                     f"guided, d = {get('rtc_delay_ticks', '?')}")  # fmt: skip
+            if get("rtc_stale_observations", "0") != "0":
+                line += (f", {get('rtc_stale_observations')} chunks from a scene older than "
+                         "their instruction not held to")  # fmt: skip
+        return [line]
 
     def _texts(self) -> list[str]:
         out = []

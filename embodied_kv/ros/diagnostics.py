@@ -189,4 +189,5 @@ def _chunks(engine) -> dict:
         out["rtc_applied"] = c.last_applied
         out["rtc_guided_chunks"] = c.guided
         out["rtc_delay_ticks"] = -1 if c.last_delay is None else c.last_delay
+        out["rtc_stale_observations"] = c.stale_observations
     return out

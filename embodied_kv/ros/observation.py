@@ -26,6 +26,7 @@ class ObservationBuffer:
         self._state = np.zeros(state_dim)
         self._state_ns = 0  # the state's capture (its header stamp, wall-clock ns); 0: none
         self._instruction = ""
+        self._instruction_ns = 0  # when the current instruction arrived (ns, the stamps' clock)
         self._lock = threading.Lock()
 
     def set_image(self, camera: int, image: torch.Tensor) -> None:
@@ -45,8 +46,13 @@ class ObservationBuffer:
         with self._lock:
             return self._state_ns
 
-    def set_instruction(self, text: str) -> None:
+    def set_instruction(self, text: str, now_ns: int = 0) -> None:
+        """The task; `now_ns` its arrival on the clock of the state's header stamps (0:
+        unknown). A state stamped before a new instruction arrived shows the scene before the
+        task was given: the observation says so (`after_instruction`)."""
         with self._lock:
+            if text != self._instruction:
+                self._instruction_ns = int(now_ns)
             self._instruction = text
 
     def observation(self) -> Observation | None:
@@ -60,4 +66,6 @@ class ObservationBuffer:
                 [img if img is not None else torch.zeros(3, s, s) for img in self._images]
             )  # [num_cameras, 3, S, S]
             mask = None if all(present) else present
-            return Observation(images, self._state.copy(), self._instruction, mask)
+            stale = 0 < self._state_ns < self._instruction_ns  # unknown either way: current
+            return Observation(images, self._state.copy(), self._instruction, mask,
+                               after_instruction=not stale)  # fmt: skip

@@ -111,7 +111,7 @@ class PrefillNode(EmbodiedNode):
         self.host.observation = self.buffer.observation
         self.host.observed_ns = self.buffer.state_stamp_ns
         limit = self.param("max_instruction_chars")
-        self.execute = ExecuteServer(self, self.buffer.set_instruction, limit)
+        self.execute = ExecuteServer(self, self._set_instruction, limit)
         listed = ", ".join(f"{n} <- {t}" + (" (compressed)" if c else "") for n, t, c in cameras)
         self.get_logger().info(
             f"cameras {listed}; model input {cfg.num_cameras} x {cfg.vision.image_size}px; "
@@ -163,8 +163,13 @@ class PrefillNode(EmbodiedNode):
         if not text:
             self.reject("instruction", "empty instruction; the previous one stays")
         else:
-            self.buffer.set_instruction(text)
+            self._set_instruction(text)
             self.get_logger().info(f"instruction: {excerpt(text)}")
+
+    def _set_instruction(self, text: str) -> None:
+        """The instruction and its arrival on the node's clock (the clock of the
+        joint_states stamps: ROS time, simulated or not)."""
+        self.buffer.set_instruction(text, self.get_clock().now().nanoseconds)
 
     def _on_joint_states(self, msg: JointState) -> None:
         if not self.active:

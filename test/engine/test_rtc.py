@@ -203,3 +203,23 @@ def test_a_new_instruction_starts_a_chunk_no_guide_ties_to_the_old_task(tiny_mod
     engine.observe(synthetic_observation(tiny_model.cfg, 3, "unstack the cups"))
     engine.cycle(t0 + REPLAN)
     assert counters.last_applied and counters.guided == 2
+
+
+def test_a_chunk_from_a_scene_older_than_its_instruction_is_not_the_plan(tiny_model):
+    """An observation whose state was captured before its instruction arrived shows the scene
+    before the task was given (a reset robot's first frames): its chunk acts, but the next
+    chunk is not guided towards it; the one after is guided again."""
+    _, engine = run_engine(tiny_model, RTCConfig(enabled=True, guidance="error"), cycles=2)
+    counters = engine.loop.rtc.counters
+    t0 = 2 * REPLAN
+    stale = synthetic_observation(tiny_model.cfg, 2, "unstack the cups")
+    engine.observe(dataclasses.replace(stale, after_instruction=False))
+    engine.cycle(t0)
+    assert engine.queue.pop(t0)[1] and engine.queue.previous(t0 + REPLAN) is None
+    assert counters.stale_observations == 1 and counters.guided == 1
+    engine.observe(synthetic_observation(tiny_model.cfg, 3, "unstack the cups"))
+    engine.cycle(t0 + REPLAN)  # fresh: free, and the plan from here on
+    assert not counters.last_applied and engine.queue.previous(t0 + 2 * REPLAN) is not None
+    engine.observe(synthetic_observation(tiny_model.cfg, 4, "unstack the cups"))
+    engine.cycle(t0 + 2 * REPLAN)
+    assert counters.last_applied and counters.guided == 2

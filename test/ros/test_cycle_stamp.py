@@ -44,3 +44,22 @@ def test_chunks_are_stamped_at_the_state_s_capture_tick():
     thread._cycle(buffer.observation(), thread.observed_tick(start + 5))
     assert engine.queue.switches.last_delay == 2
     assert thread.counters.cycles == 2 and len(first) == 5
+
+
+def test_a_state_older_than_its_instruction_marks_the_observation():
+    """After a new instruction, a state stamped before it arrived (the scene before the task
+    was given: a reset robot's first frames) makes `after_instruction` False until a newer
+    state comes; unknown times (0) count as current; the same text again changes nothing."""
+    buffer = ObservationBuffer(1, 8, 4, 1)
+    buffer.set_image(0, torch.zeros(3, 8, 8))
+    buffer.set_state(np.zeros(4), 1_000)
+    assert buffer.observation().after_instruction  # no instruction time known
+    buffer.set_instruction("stack the cups", 2_000)
+    assert not buffer.observation().after_instruction  # state 1_000 < instruction 2_000
+    buffer.set_instruction("stack the cups", 9_000)  # the same task: its time stays
+    buffer.set_state(np.ones(4), 2_500)
+    assert buffer.observation().after_instruction
+    buffer.set_instruction("unstack the cups", 3_000)
+    assert not buffer.observation().after_instruction
+    buffer.set_state(np.ones(4), 0)  # unstamped: cannot tell, current
+    assert buffer.observation().after_instruction

@@ -49,3 +49,18 @@ def test_a_plan_that_names_the_place_as_a_path_counts_as_right():
     assert any("'floor', wrong]" in x for x in lines)
     assert any("'one', wrong]" in x for x in lines)  # answers: the word itself
     assert "  plans right: 1 of 2 asked" in lines
+
+
+def test_report_says_how_chunks_joined_and_whether_rtc_guided_them():
+    diag = {"chunk_switches": "12", "boundary_jump_max": "0.731", "boundary_jump_last": "0.100",
+            "inference_delay_ticks": "3", "observation_age_ticks": "1", "rtc_enabled": "False"}
+    (line,) = Report._joins(diag)
+    assert line.startswith("chunk joins: 12 switches, largest jump 0.731 (last 0.100); chunk "
+                           "lands 3 ticks after its observation, which was 1 ticks old")
+    assert "real-time chunking" not in line
+    diag |= {"rtc_enabled": "True", "rtc_guided_chunks": "11", "rtc_delay_ticks": "3"}
+    assert Report._joins(diag)[0].endswith("; real-time chunking: 11 chunks guided, d = 3")
+    diag["rtc_stale_observations"] = "2"
+    assert Report._joins(diag)[0].endswith(", 2 chunks from a scene older than their "
+                                           "instruction not held to")
+    assert Report._joins({}) == []  # no diagnostics received
