@@ -73,7 +73,7 @@ def summarise(traces: list[Trace]) -> dict:
         "lead_gap": float(np.mean(gaps)) if gaps else float("nan"),
         "switch_gap": float(np.mean(sgaps)) if sgaps else float("nan"),
         "step_p95": harness.quantile(steps, 0.95) if steps else float("nan"),
-        "ticks": int(sum(len(t.actions) for t in traces)),
+        "ticks": int(sum(len(t.executed) for t in traces)),
     }
 
 
@@ -86,7 +86,7 @@ def closed_loop(model, episodes: int, env, execution_horizon: int = 0,
             traces = [run_episode(engine, ex, SEED + e, d, ticks) for e in range(episodes)]
             row = {"method": ex.name, "delay": d, **summarise(traces)}
             # per episode: the ticks it took to succeed, -1 where it did not within `ticks`
-            row["episode_ticks"] = [len(t.actions) if t.success else -1 for t in traces]
+            row["episode_ticks"] = [len(t.executed) if t.success else -1 for t in traces]
             if engine.loop.rtc is not None:
                 c = engine.loop.rtc.counters
                 row["guided_chunks"], row["chunks"] = c.guided, c.chunks

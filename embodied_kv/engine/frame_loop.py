@@ -124,9 +124,10 @@ class FrameLoop:
             chunk = self.robot.actions_out(model_chunk, obs.robot_state)
             # RTC holds the next chunk to this one (model units) unless its observation
             # predates its instruction: a plan made from the scene before the task was given
-            plan = self.rtc is not None and obs.after_instruction
-            if self.rtc is not None and not obs.after_instruction:
+            plan = self.rtc is not None
+            if plan and not obs.after_instruction:
                 self.rtc.counters.stale_observations += 1
+                plan = False
             self.queue.push(chunk, tick, model_chunk if plan else None)
             t_action = self.clock()
             self.counters.action_late += int(t_action > deadline)

@@ -41,13 +41,17 @@ ENSEMBLE_M = 0.01  # ACT temporal_ensemble_coeff
 
 @dataclass
 class Trace:
-    actions: list[np.ndarray] = field(default_factory=list)
+    executed: list[np.ndarray] = field(default_factory=list)  # [REAL_ACTION_DIMS] per tick
     jumps: list[float] = field(default_factory=list)  # at switches
     lead_gaps: list[float] = field(default_factory=list)  # per chunk: the d stale actions
     switch_gaps: list[float] = field(default_factory=list)  # new vs old chunk at the switch
     steps: list[float] = field(default_factory=list)  # |a_t - a_{t-1}| at every other tick
-    executed: list[np.ndarray] = field(default_factory=list)  # [REAL_ACTION_DIMS] per tick
     success: bool = False
+
+    @property
+    def actions(self) -> list[np.ndarray]:
+        """The executed position targets [MOTION_DIMS] per tick (what the jumps measure)."""
+        return [a[:MOTION_DIMS] for a in self.executed]
 
 
 class Executor:
@@ -139,15 +143,14 @@ def run_episode(engine: Engine, ex: Executor, seed: int, delay: int, ticks: int 
     def execute(k: int) -> bool:
         nonlocal switch_tick
         a = np.asarray(ex.action(k), np.float64)
-        if trace.actions:
-            step = float(np.linalg.norm(a[:MOTION_DIMS] - trace.actions[-1]))
+        if trace.executed:
+            step = float(np.linalg.norm(a[:MOTION_DIMS] - trace.executed[-1][:MOTION_DIMS]))
             (trace.jumps if k == switch_tick else trace.steps).append(step)
         if k == switch_tick:  # what is executed against what the old chunk had for this tick
             if len(old_chunk) > k - old_start:
                 old_a = old_chunk[k - old_start, :MOTION_DIMS]
                 trace.switch_gaps.append(float(np.linalg.norm(a[:MOTION_DIMS] - old_a)))
             switch_tick = None
-        trace.actions.append(a[:MOTION_DIMS].copy())
         trace.executed.append(a[:REAL_ACTION_DIMS].copy())
         scene.step(a)
         return task.success(scene)

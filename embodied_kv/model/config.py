@@ -142,6 +142,7 @@ PRESETS["world"] = replace(
 # parameters as `world` (the horizon sizes no weight): fine-tuned from its weights.
 PRESETS["world_smooth"] = replace(PRESETS["world"], name="world_smooth", action_horizon=30)
 
+
 def get_preset(
     name: str, layers: int | None = None, vision_layers: int | None = None, **overrides
 ) -> ModelConfig:

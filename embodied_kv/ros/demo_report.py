@@ -110,7 +110,7 @@ class Report:
                 f"chunk lands {get('inference_delay_ticks', '?')} ticks after its "
                 f"observation, which was {get('observation_age_ticks', '?')} ticks old "
                 "at the cycle's start")  # fmt: skip
-        if engine.get("rtc_enabled") == "True":
+        if get("rtc_enabled") == "True":
             line += (f"; real-time chunking: {get('rtc_guided_chunks', '?')} chunks "
                      f"guided, d = {get('rtc_delay_ticks', '?')}")  # fmt: skip
             if get("rtc_stale_observations", "0") != "0":
