@@ -41,7 +41,7 @@ from embodied_kv.engine.loading import shipped_weights
 from embodied_kv.eval.delayed import REPLAN, TICKS, Trace, make_engine, methods, run_episode
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert import ActionExpert
-from embodied_kv.model.rtc import RTCConfig, sample_guided
+from embodied_kv.model.rtc import SCHEDULES, RTCConfig, sample_guided
 from embodied_kv.model.trained import WORLD_PRESETS, load_trained
 from embodied_kv.model.vla import MAX_POSITIONS, denoise_rows
 from embodied_kv.storage.arena import ArenaSpec, KVArena
@@ -78,9 +78,10 @@ def summarise(traces: list[Trace]) -> dict:
 
 
 def closed_loop(model, episodes: int, env, execution_horizon: int = 0,
-                ticks: int = TICKS) -> list[dict]:  # fmt: skip
+                ticks: int = TICKS, **rtc) -> list[dict]:  # fmt: skip
+    """`rtc`: further RTCConfig fields of the guided methods (schedule, max_guidance)."""
     rows = []
-    for ex in methods(execution_horizon):
+    for ex in methods(execution_horizon, **rtc):
         engine = make_engine(model, ex.rtc)
         for d in DELAYS:
             traces = [run_episode(engine, ex, SEED + e, d, ticks) for e in range(episodes)]
@@ -150,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                    f"{TICKS}, eval world's budget)")  # fmt: skip
     p.add_argument("--execution-horizon", type=int, default=0,
                    help="RTC's s (rtc.execution_horizon; default 0: the replan period, 5)")
+    p.add_argument("--schedule", choices=SCHEDULES, default=RTCConfig.schedule,
+                   help="RTC's W over [d, H - s) (rtc.schedule; hard: only the d stale actions "
+                        "guided)")  # fmt: skip
+    p.add_argument("--max-guidance", type=float, default=RTCConfig.max_guidance,
+                   help="RTC's beta (rtc.max_guidance)")
     a = harness.parse(p, argv)
     env = harness.Environment.start(a, argv)
     episodes = a.episodes or (6 if a.quick else 60)
@@ -160,13 +166,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"(embodied_kv/data/{a.world}/)")  # fmt: skip
     model = load_trained(weights)
     s = a.execution_horizon
-    rows = closed_loop(model, episodes, env, s, a.ticks)
+    rtc = {"schedule": a.schedule, "max_guidance": a.max_guidance}
+    try:
+        RTCConfig(**rtc)  # a bad value fails here, before the episodes run
+    except ValueError as e:
+        p.error(str(e))
+    rows = closed_loop(model, episodes, env, s, a.ticks, **rtc)
     lat = latency(layers, 3 if a.quick else 7, a.device)
     harness.progress(env, "latency done")
     sha = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
     print(f"bench rtc: {a.world} preset (H {model.cfg.action_horizon}), shipped weights "
           f"({sha}), {episodes} episodes per row, {a.ticks} ticks each; cycle every "
-          f"max({REPLAN}, d) ticks; RTC s = {s or REPLAN}")  # fmt: skip
+          f"max({REPLAN}, d) ticks; RTC s = {s or REPLAN}, schedule {a.schedule}, beta "
+          f"{a.max_guidance:g}")  # fmt: skip
     keys = ["success", "switches", "jump_mean", "jump_max", "jump_p95", "step_p95", "jerk_mean",
             "lead_gap", "switch_gap"]  # fmt: skip
     naive = {r["delay"]: r for r in rows if r["method"] == "naive"}
@@ -199,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": SEED,
             "weights": str(weights),
             "weights_sha256": sha,
-            "rtc": asdict(RTCConfig(enabled=True, execution_horizon=s)),
+            "rtc": asdict(RTCConfig(enabled=True, execution_horizon=s, **rtc)),
         },  # fmt: skip
         "closed_loop": rows,
         "latency_pi05_widths": lat,

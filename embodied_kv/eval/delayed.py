@@ -75,9 +75,11 @@ class Naive(Executor):
 
 
 class Guided(Executor):
-    def __init__(self, guidance: str, execution_horizon: int = 0):
+    def __init__(self, guidance: str, execution_horizon: int = 0, **rtc):
+        """`rtc`: further RTCConfig fields (schedule, max_guidance, delay)."""
         self.name = f"rtc-{guidance}"
-        self.rtc = RTCConfig(enabled=True, guidance=guidance, execution_horizon=execution_horizon)
+        self.rtc = RTCConfig(enabled=True, guidance=guidance, execution_horizon=execution_horizon,
+                             **rtc)  # fmt: skip
 
 
 class Ensemble(Executor):
@@ -100,9 +102,10 @@ class Ensemble(Executor):
         return self.last.copy()
 
 
-def methods(execution_horizon: int = 0) -> list[Executor]:
-    return [Naive(), Ensemble(), Guided("vjp", execution_horizon),
-            Guided("error", execution_horizon)]  # fmt: skip
+def methods(execution_horizon: int = 0, **rtc) -> list[Executor]:
+    """Every executor; `execution_horizon` and `rtc` (RTCConfig fields) set the guided ones."""
+    return [Naive(), Ensemble(), Guided("vjp", execution_horizon, **rtc),
+            Guided("error", execution_horizon, **rtc)]  # fmt: skip
 
 
 EXECUTORS = tuple(ex.name for ex in methods())

@@ -92,3 +92,27 @@ def test_rtc_joins_the_shipped_smooth_world_s_chunks():
     assert naive["switches"] > 0 and rtc["switches"] > 0
     assert rtc["jump_max"] <= naive["jump_max"] / 2, (naive, rtc)
     assert rtc["switch_gap"] <= naive["switch_gap"] / 10, (naive, rtc)
+
+
+def test_guided_executors_take_the_rtc_settings(world_model):  # noqa: F811
+    """`bench rtc --schedule hard --max-guidance B`: the guided methods' engines guide with
+    that schedule (W = 1 on the d stale actions, 0 after) and beta."""
+    guided = [ex for ex in delayed.methods(0, schedule="hard", max_guidance=2.0) if ex.rtc.enabled]
+    assert [ex.name for ex in guided] == ["rtc-vjp", "rtc-error"]
+    assert all(ex.rtc.schedule == "hard" and ex.rtc.max_guidance == 2.0 for ex in guided)
+    ex = guided[1]
+    engine = delayed.make_engine(world_model, ex.rtc)
+    seen = []
+    guide = engine.loop.rtc.guide
+    engine.loop.rtc.guide = lambda queue, tick: seen.append(guide(queue, tick)) or seen[-1]
+    delayed.run_episode(engine, ex, bench.SEED, 4, ticks=15)
+    guides = [g for g in seen if g is not None]
+    assert guides[-1].delay == 4  # measured: the first guided chunk still knew d = 0
+    assert all(g.weights[: g.delay].eq(1).all() and g.weights[g.delay :].eq(0).all()
+               for g in guides)  # fmt: skip
+
+
+def test_bench_refuses_a_bad_guidance_setting(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--max-guidance", "-1"])
+    assert e.value.code == 2 and "max_guidance=-1" in capsys.readouterr().err
