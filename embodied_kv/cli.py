@@ -129,7 +129,7 @@ def train_config(args: argparse.Namespace):
 
     given = {k: getattr(args, k)
              for k in ("preset", "batch", "buckets", "lr", "threads", "curriculum", "ramp",
-                       "warmup",
+                       "warmup", "prefix_max",
                        "data_workers", "embed_std", "until", "stop_after", "flow_dims",
                        "ground_weight", "ground_layer", "freeze", "position_weight",
                        "object_weight", "bin_sigma", "bin_weight", "name_weight", "bin_first",
@@ -245,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--flow-dims", type=int,
                     help="flow loss over the first N action dims (4: the world's real ones; "
                          "default 0: all)")  # fmt: skip
+    tr.add_argument("--prefix-max", type=int,
+                    help="training-time real-time chunking: each sample's first d actions "
+                         "(d uniform in 0..N) given clean, the loss on the rest; for "
+                         "rtc.guidance: prefix (default 0: off)")  # fmt: skip
     tr.add_argument("--ground-weight", type=float,
                     help="weight of the training-only grounding head's loss (named movable / "
                          "container / other per patch; default 0: off)")  # fmt: skip

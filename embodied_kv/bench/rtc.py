@@ -31,6 +31,7 @@ import argparse
 import hashlib
 import math
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -125,14 +126,15 @@ def latency(layers: int, repeats: int, device: str) -> dict:
         )
 
     got = harness.interleave_calls(
-        {"plain": plain, "rtc-error": guided("error"), "rtc-vjp": guided("vjp")},
+        {"plain": plain, "rtc-error": guided("error"), "rtc-vjp": guided("vjp"),
+         "rtc-prefix": guided("prefix")},
         warmup=1, repeats=repeats,
     )  # fmt: skip
     out = {"layers": layers, "prefix_rows": PI05_PREFIX, "row_bucket": rows}
     for name, ms in got.items():
         out[name] = harness.Stats.of(ms).as_dict()
     base = out["plain"]["median"]
-    for name in ("rtc-error", "rtc-vjp"):
+    for name in ("rtc-error", "rtc-vjp", "rtc-prefix"):
         out[name]["x_plain"] = out[name]["median"] / base
     return out
 
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", choices=WORLD_PRESETS, default=DEFAULT_WORLD,
                    help="the world model: world_smooth (waypoints, H 30) or world (far "
                         "targets, H 10)")  # fmt: skip
+    p.add_argument("--weights", default="", help="a world model's weights file (default: "
+                   "the --world preset's shipped weights), e.g. a `train --prefix-max` run's")
     p.add_argument("--ticks", type=int, default=TICKS, help="per episode (default: "
                    f"{TICKS}, eval world's budget)")  # fmt: skip
     p.add_argument("--execution-horizon", type=int, default=0,
@@ -160,11 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     env = harness.Environment.start(a, argv)
     episodes = a.episodes or (6 if a.quick else 60)
     layers = a.layers or (1 if a.quick else 2)
-    weights = shipped_weights(a.world)
+    weights = Path(a.weights) if a.weights else shipped_weights(a.world)
     if weights is None:
         p.error(f"bench rtc needs the {a.world} preset's shipped weights "
                 f"(embodied_kv/data/{a.world}/)")  # fmt: skip
-    model = load_trained(weights)
+    try:
+        model = load_trained(weights)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    if model.cfg.name not in WORLD_PRESETS:
+        p.error(f"{weights}: a {model.cfg.name} model; bench rtc runs the world presets "
+                f"{WORLD_PRESETS}")  # fmt: skip
     s = a.execution_horizon
     rtc = {"schedule": a.schedule, "max_guidance": a.max_guidance}
     try:
@@ -175,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     lat = latency(layers, 3 if a.quick else 7, a.device)
     harness.progress(env, "latency done")
     sha = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
-    print(f"bench rtc: {a.world} preset (H {model.cfg.action_horizon}), shipped weights "
+    print(f"bench rtc: {model.cfg.name} preset (H {model.cfg.action_horizon}), weights {weights} "
           f"({sha}), {episodes} episodes per row, {a.ticks} ticks each; cycle every "
           f"max({REPLAN}, d) ticks; RTC s = {s or REPLAN}, schedule {a.schedule}, beta "
           f"{a.max_guidance:g}")  # fmt: skip
@@ -196,13 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"latency at pi05 widths, {layers} expert layer(s), {a.device}:")
     print_table(["loop", "median_ms", "p10_ms", "p90_ms", "x_plain"], [
         [k, lat[k]["median"], lat[k]["p10"], lat[k]["p90"], lat[k].get("x_plain", 1.0)]
-        for k in ("plain", "rtc-error", "rtc-vjp")
+        for k in ("plain", "rtc-error", "rtc-vjp", "rtc-prefix")
     ])  # fmt: skip
     result = {
         "benchmark": "rtc",
         "quick": a.quick,
         "config": {
-            "world": a.world,
+            "world": model.cfg.name,
             "action_horizon": model.cfg.action_horizon,
             "episodes": episodes,
             "ticks": a.ticks,

@@ -111,7 +111,8 @@ RTC_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("rtc.max_guidance", 5.0, "beta: clip of the guidance weight (paper 5, LeRobot 10)"),
     ParamSpec("rtc.execution_horizon", 0, "s: ticks a chunk runs before the next; 0 = replan"),
     ParamSpec("rtc.schedule", "exp", "W between d and H - s: exp (paper) | linear | hard"),
-    ParamSpec("rtc.guidance", "vjp", "vjp (PiGDM, the paper) | error (LeRobot, no backward)"),
+    ParamSpec("rtc.guidance", "vjp", "vjp (PiGDM, the paper) | error (LeRobot, no backward) | "
+              "prefix (the d stale actions held: weights trained with train --prefix-max)"),
     ParamSpec("rtc.delay", "measured", "d: measured (moving estimate) | ticks, an integer"),
 )
 ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS + MEMORY_PARAMS + RTC_PARAMS

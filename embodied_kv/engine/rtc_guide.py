@@ -61,7 +61,9 @@ class ChunkGuide:
             y = torch.zeros(model.shape, dtype=torch.float32)  # [H, A_model]
             y[: h - shift] = torch.from_numpy(model[shift:])
             d = self.delay(queue)
-            w = prefix_weights(h, d, self.s, self.cfg.schedule)
+            # prefix (training-time RTC) holds the d stale rows only: the hard schedule
+            schedule = "hard" if self.cfg.guidance == "prefix" else self.cfg.schedule
+            w = prefix_weights(h, d, self.s, schedule)
             w[h - shift :] = 0.0
             guide = Guide(to_device(y, self.device), to_device(w, self.device), d)
         c = self.counters

@@ -17,6 +17,8 @@ Executors (what the robot executes each tick, given the chunks that landed):
               weights exp(-m i), i = 0 the oldest (ACT: m = 0.01)
     rtc-vjp   the queue, chunks guided by RTC (model/rtc.py), d measured by the queue
     rtc-error the same with LeRobot's guidance (no backward pass)
+    rtc-prefix  the d stale actions held clean (training-time RTC, model/rtc_prefix.py): for
+              weights trained with `train --prefix-max`
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class Ensemble(Executor):
 def methods(execution_horizon: int = 0, **rtc) -> list[Executor]:
     """Every executor; `execution_horizon` and `rtc` (RTCConfig fields) set the guided ones."""
     return [Naive(), Ensemble(), Guided("vjp", execution_horizon, **rtc),
-            Guided("error", execution_horizon, **rtc)]  # fmt: skip
+            Guided("error", execution_horizon, **rtc),
+            Guided("prefix", execution_horizon, **rtc)]  # fmt: skip
 
 
 EXECUTORS = tuple(ex.name for ex in methods())

@@ -154,7 +154,8 @@ class ActionExpert(nn.Module):
                 bias=ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i],
                 scale=self.scale,
             )
-            if self.fused_layer_step and fused_ready(layer, h):  # CUDA: model/expert_step.py
+            # CUDA: model/expert_step.py; its kernels take one modulation row for all rows
+            if self.fused_layer_step and mod.scale1.dim() == 3 and fused_ready(layer, h):
                 h = layer_step_fused(layer, h, inputs, self.workspaces)
             else:
                 h = layer_step_ref(layer, h, inputs)
@@ -189,7 +190,8 @@ class ActionExpert(nn.Module):
 
 @dataclass(frozen=True)
 class Modulation:
-    """adaRMS modulation of the expert's N = 2 x layers + 1 norms at S flow times."""
+    """adaRMS modulation of the expert's N = 2 x layers + 1 norms at S flow times; per
+    action row [N, S, H, W] where rows differ in flow time (model/rtc_prefix.py)."""
 
     scale1: torch.Tensor  # [N, S, W] fp32: 1 + scale
     shift: torch.Tensor  # [N, S, W] fp32

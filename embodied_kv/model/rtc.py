@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from embodied_kv.model.flow_constants import step_times
+from embodied_kv.model.rtc_prefix import sample_prefixed
 from embodied_kv.storage.arena import KVArena
 
 SCHEDULES = ("exp", "linear", "hard")
-GUIDANCE = ("vjp", "error")
+GUIDANCE = ("vjp", "error", "prefix")  # prefix: model/rtc_prefix.py (training-time RTC)
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class RTCConfig:
     execution_horizon: int = 0  # s, ticks a chunk is executed before the next one lands (the
     # paper's s; LeRobot's execution_horizon is H - s); 0 = the engine's replan_every
     schedule: str = "exp"  # W over [d, H - s): exp (the paper) | linear | hard (0 after d)
-    guidance: str = "vjp"  # vjp: PiGDM through the expert (the paper) | error: LeRobot's
+    guidance: str = "vjp"  # vjp: PiGDM through the expert (the paper) | error: LeRobot's |
+    # prefix: the d stale actions held clean, for weights trained with them (rtc_prefix.py)
     delay: int | str = "measured"  # d in ticks: "measured" (the queue's moving estimate of
     # observation -> chunk arrival) or a fixed int >= 0
     delay_ema: float = 0.5  # weight of the newest measured delay in the estimate
@@ -157,7 +159,11 @@ def sample_guided(
 ) -> torch.Tensor:
     """ActionExpert.sample with RTC guidance -> chunk [H, A] fp32. The same modulation,
     mask and update order, so beta = 0 gives its bytes. No host reads of device values
-    (target and weights may be a graph's static buffers)."""
+    (target and weights may be a graph's static buffers). `prefix`: the d stale rows held
+    instead (rtc_prefix.py; beta unused)."""
+    if guidance == "prefix":
+        return sample_prefixed(expert, arena, slot, prefix_len, noise, target, weights, rows,
+                               layer_rows)  # fmt: skip
     steps = expert.cfg.denoise_steps
     dt = -1.0 / steps
     x = noise.float()

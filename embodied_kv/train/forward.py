@@ -98,13 +98,15 @@ def text_logits(model, out: BackboneOut, rows: torch.Tensor, cols: torch.Tensor)
 
 
 def expert_velocity(model, out: BackboneOut, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """x_t [B, H, A] at flow times t [B] -> velocity [B, H, A] fp32."""
+    """x_t [B, H, A] at flow times t [B] (or per row [B, H]: model/rtc_prefix.py) ->
+    velocity [B, H, A] fp32."""
     ex, cfg = model.expert, model.cfg
     b, h_len, _ = x_t.shape
     e = cfg.expert
-    emb = sinusoidal_time(t, e.width, cfg.time_min_period, cfg.time_max_period)
+    emb = sinusoidal_time(t.reshape(-1), e.width, cfg.time_min_period, cfg.time_max_period)
     emb = emb.to(ex.time_mlp_in.weight.dtype)
-    cond = F.silu(ex.time_mlp_out(F.silu(ex.time_mlp_in(emb))))[:, None, :]  # [B, 1, W]
+    cond = F.silu(ex.time_mlp_out(F.silu(ex.time_mlp_in(emb))))
+    cond = cond.view(b, h_len if t.dim() == 2 else 1, -1)  # [B, H or 1, W]
     dev = x_t.device
     position = (out.prefix_len[:, None] + torch.arange(h_len, device=dev)[None]).reshape(-1)
     cos_sin = ex.rope.at(position)

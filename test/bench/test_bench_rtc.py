@@ -98,7 +98,7 @@ def test_guided_executors_take_the_rtc_settings(world_model):  # noqa: F811
     """`bench rtc --schedule hard --max-guidance B`: the guided methods' engines guide with
     that schedule (W = 1 on the d stale actions, 0 after) and beta."""
     guided = [ex for ex in delayed.methods(0, schedule="hard", max_guidance=2.0) if ex.rtc.enabled]
-    assert [ex.name for ex in guided] == ["rtc-vjp", "rtc-error"]
+    assert [ex.name for ex in guided] == ["rtc-vjp", "rtc-error", "rtc-prefix"]
     assert all(ex.rtc.schedule == "hard" and ex.rtc.max_guidance == 2.0 for ex in guided)
     ex = guided[1]
     engine = delayed.make_engine(world_model, ex.rtc)
@@ -116,3 +116,9 @@ def test_bench_refuses_a_bad_guidance_setting(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--quick", "--max-guidance", "-1"])
     assert e.value.code == 2 and "max_guidance=-1" in capsys.readouterr().err
+
+
+def test_bench_refuses_weights_it_cannot_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--weights", str(tmp_path / "none.safetensors")])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err

@@ -77,7 +77,7 @@ def test_beta_zero_through_the_engine_is_plain_in_bytes(tiny_model, guidance):
     assert guided[0] == plain[0] and guided[1:] != plain[1:]
 
 
-@pytest.mark.parametrize("guidance", ["vjp", "error"])
+@pytest.mark.parametrize("guidance", ["vjp", "error", "prefix"])
 def test_guided_graph_replay_equals_eager_in_bytes(tiny_model, guidance):
     """Emulated capture of the guided loop (its VJP included), replayed for other prefixes,
     other noise, other previous chunks and other W (d measured 2, then fixed 3)."""
@@ -95,7 +95,7 @@ def test_guided_graph_replay_equals_eager_in_bytes(tiny_model, guidance):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
-@pytest.mark.parametrize("guidance", ["vjp", "error"])
+@pytest.mark.parametrize("guidance", ["vjp", "error", "prefix"])
 def test_guided_cuda_graph_replay_equals_eager_in_bytes(guidance):
     """The guided loop captured by torch.cuda.graph, the VJP inside (the fused kernels fall
     back to their torch references while autograd records, in the graph and eagerly)."""
@@ -223,3 +223,18 @@ def test_a_chunk_from_a_scene_older_than_its_instruction_is_not_the_plan(tiny_mo
     engine.observe(synthetic_observation(tiny_model.cfg, 4, "unstack the cups"))
     engine.cycle(t0 + 2 * REPLAN)
     assert counters.last_applied and counters.guided == 2
+
+
+def test_prefix_guidance_holds_the_stale_actions_of_the_chunk_executing(tiny_model):
+    """`guidance: prefix` (training-time RTC): the guide is the hard schedule whatever
+    `rtc.schedule` says, and each new chunk's first d actions are the previous chunk's for
+    the same ticks, in model units and so in robot units."""
+    rtc = RTCConfig(True, guidance="prefix", delay=2, schedule="exp")
+    chunks, engine = run_engine(tiny_model, rtc)
+    h, a = tiny_model.cfg.action_horizon, engine.robot.action_dim
+    rows = [np.frombuffer(c, dtype=np.float64).reshape(h, a) for c in chunks]
+    for old, new in zip(rows, rows[1:], strict=False):
+        assert np.array_equal(new[:2], old[REPLAN : REPLAN + 2])
+        assert not np.array_equal(new[2:], old[REPLAN + 2 :][: h - 2])  # the rest is new
+    guide = engine.loop.rtc
+    assert guide.counters.guided == len(chunks) - 1

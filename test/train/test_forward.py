@@ -48,3 +48,34 @@ def test_dense_training_forward_matches_the_engine(tmp_path):
         # the first label sits exactly where the engine reads its first token's logits
         first = int((batch.labels[i] != IGNORE).nonzero()[0])
         assert first == col
+
+
+@torch.no_grad()
+def test_per_row_flow_times_match_the_engine_s_held_prefix(tmp_path):
+    """Training-time RTC: the training forward with a flow time per action row (the first
+    d rows clean at t = 0) computes what the engine's prefixed loop does at a step
+    (model/rtc_prefix.py row_modulation), for the same sample and weights."""
+    from embodied_kv.model.rtc_prefix import row_modulation
+
+    cfg = world_config()
+    model = build_model(cfg, tokenizer_path=str(save_tokenizer(tmp_path / "tok.json")))
+    s = make_sample(DataConfig(), 0)
+    batch = make_batch([s], model.tokenizer, cfg)
+    out = backbone_forward(model, batch)
+    arena = model.new_arena(1, 256)
+    prefix = model.embed_prefix(Observation(torch.from_numpy(s.images), s.state, s.instruction))
+    p = prefix.embeds.shape[0]
+    model.prefill(arena, 0, prefix)
+    ex, h, d = model.expert, cfg.action_horizon, 4
+    x = model.make_noise(0)
+    t = torch.tensor([0.37])
+    held = (torch.arange(h) < d)[:, None]
+    mod = row_modulation(held, ex.modulation(torch.zeros(1)), ex.modulation(t), 0)
+    ctx = ex.context(None, h, p, None, x.device, None, mod)
+    v_engine = ex.velocity_at(x, ctx, 0, arena, 0, p).float()
+    t_rows = torch.where(held[:, 0], 0.0, t)[None]  # [1, H]
+    v_train = expert_velocity(model, out, x[None], t_rows)[0]
+    assert (v_engine - v_train).abs().max() < TOL
+    same = expert_velocity(model, out, x[None], t.expand(1, h))[0]  # every row at t
+    assert (same - expert_velocity(model, out, x[None], t)[0]).abs().max() < TOL
+    assert (v_train[:d] - same[:d]).abs().max() > 10 * TOL  # t = 0 changes those rows
