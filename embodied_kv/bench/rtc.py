@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     print("episodes that did not succeed within the budget (of each row's):",
           ", ".join(f"{r['method']} d={r['delay']}: {r['episode_ticks'].count(-1)}"
                     for r in rows))  # fmt: skip
+    print("rtc-prefix holds the d stale actions clean (training-time RTC): it needs weights "
+          "trained with `train --prefix-max` (the shipped ones are not; --weights FILE)")
     print(f"latency at pi05 widths, {layers} expert layer(s), {a.device}:")
     print_table(["loop", "median_ms", "p10_ms", "p90_ms", "x_plain"], [
         [k, lat[k]["median"], lat[k]["p10"], lat[k]["p90"], lat[k].get("x_plain", 1.0)]
