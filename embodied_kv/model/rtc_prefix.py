@@ -40,17 +40,9 @@ def row_modulation(held: torch.Tensor, clean: Modulation, mod: Modulation, k: in
 
 
 @torch.no_grad()
-def sample_prefixed(
-    expert,
-    arena: KVArena,
-    slot: int,
-    prefix_len,
-    noise: torch.Tensor,
-    target: torch.Tensor,
-    weights: torch.Tensor,
-    rows: int | None = None,
-    layer_rows: torch.Tensor | None = None,
-) -> torch.Tensor:
+def sample_prefixed(expert, arena: KVArena, slot: int, prefix_len, noise: torch.Tensor,
+                    target: torch.Tensor, weights: torch.Tensor, rows: int | None = None,
+                    layer_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """ActionExpert.sample with the rows where `weights` is 1 (the d stale actions: the
     hard schedule) held at `target` (the previous chunk, model units) -> chunk [H, A] fp32,
     those rows equal to target's. No host reads of device values (a graph's static
