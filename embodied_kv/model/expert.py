@@ -96,9 +96,10 @@ class ActionExpert(nn.Module):
         return self.velocity_at(x_t, ctx, 0, arena, slot, prefix_len)
 
     def flow_modulation(self, steps: int, device) -> Modulation:
-        """The modulation of the `steps` Euler steps' flow times (`step_times`), kept per
-        (steps, dtype, device) while the weights stay the same (model/flow_constants.py);
-        the bytes `modulation(step_times(steps, device))` computes."""
+        """The modulation of the `steps` Euler steps' flow times (`step_times`; `CLEAN`:
+        t = 0 alone), kept per (steps, dtype, device) while the weights stay the same
+        (model/flow_constants.py); the bytes `modulation(table_times(steps, device))`
+        computes."""
         return self.flow_mods.get(self, steps, device)
 
     def context(

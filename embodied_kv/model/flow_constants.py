@@ -5,7 +5,9 @@ The flow times t_k = 1 + k dt depend only on the number of steps, and every norm
 modulation only on t_k and the weights (time MLP, each norm's dense layer): at pi05 that
 is 39 fp32 GEMMs (~0.54 ms on an H100) that every action recomputed with the same result.
 
-    key    (steps, dtype, device)         one table per schedule the engine runs
+    key    (steps, dtype, device)         one table per schedule the engine runs; steps
+                                          CLEAN (0): t = 0 alone, the held rows of
+                                          training-time RTC (model/rtc_prefix.py)
     stamp  (data_ptr, _version) of every tensor the modulation reads: an in-place load
            (`copy_` into a parameter: model/weights.py, checkpoint.py), an optimizer step
            or a replaced / moved parameter (precision.py's `p.data = ...`) changes it
@@ -24,11 +26,21 @@ from __future__ import annotations
 
 import torch
 
+CLEAN = 0  # the table of flow time 0 alone: training-time RTC's held rows (rtc_prefix.py)
+
 
 def step_times(steps: int, device) -> torch.Tensor:
     """t_k = 1 + k dt in float64, as the Python float would be, then fp32 [steps]."""
     dt = -1.0 / steps
     return (1.0 + torch.arange(steps, dtype=torch.float64, device=device) * dt).float()
+
+
+def table_times(steps: int, device) -> torch.Tensor:
+    """The flow times of table `steps`: the Euler steps' (`step_times`), or t = 0 alone
+    (`CLEAN`)."""
+    if steps == CLEAN:
+        return torch.zeros(1, device=device)
+    return step_times(steps, device)
 
 
 class FlowModulationCache:
@@ -47,7 +59,7 @@ class FlowModulationCache:
         computed fresh (not kept) where caching is off (see the module docstring)."""
         device = torch.device(device)
         if not self.usable():
-            return expert.modulation(step_times(steps, device))
+            return expert.modulation(table_times(steps, device))
         return self.refresh(expert, steps, device)
 
     def refresh(self, expert, steps: int, device):
@@ -59,7 +71,7 @@ class FlowModulationCache:
         entry = self._tables.get(key)
         if entry is not None and entry[0] == stamp:
             return entry[1]
-        fresh = expert.modulation(step_times(steps, device))
+        fresh = expert.modulation(table_times(steps, device))
         self.computed += 1
         if entry is None:
             self._tables[key] = (stamp, fresh)

@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 from embodied_kv.model.expert import Modulation
+from embodied_kv.model.flow_constants import CLEAN
 from embodied_kv.storage.arena import KVArena
 
 
@@ -53,7 +54,7 @@ def sample_prefixed(expert, arena: KVArena, slot: int, prefix_len, noise: torch.
     y = target.float()
     x = torch.where(held, y, noise.float())
     mod = expert.flow_modulation(steps, x.device)  # that of t_k, kept across actions
-    clean = expert.modulation(torch.zeros(1, device=x.device))  # t = 0 [N, 1, W]
+    clean = expert.flow_modulation(CLEAN, x.device)  # t = 0 [N, 1, W], kept likewise
     ctx = expert.context(None, x.shape[0], prefix_len, rows, x.device, layer_rows, mod)
     for k in range(steps):
         step = dataclasses.replace(ctx, modulation=row_modulation(held, clean, mod, k))

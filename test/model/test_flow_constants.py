@@ -132,3 +132,21 @@ def test_a_denoise_graph_sees_new_weights_without_recapture():
         m.graphs = None
     assert runner.captures == captures
     assert torch.equal(got, want)
+
+
+def test_the_clean_table_is_t0_s_bytes_and_refreshed_with_the_weights():
+    """CLEAN: the modulation of flow time 0 (training-time RTC's held rows) is kept and
+    refreshed like the steps' tables, in place."""
+    from embodied_kv.model.flow_constants import CLEAN
+
+    m = fresh_model()
+    with torch.no_grad():
+        table = m.expert.flow_modulation(CLEAN, "cpu")
+        assert same_bytes(table, m.expert.modulation(torch.zeros(1)))
+        assert m.expert.flow_modulation(CLEAN, "cpu") is table
+        ptr = table.scale1.data_ptr()
+        assign_state(m, perturbed_expert_state(m, 1), "perturbed")
+        refreshed = m.expert.flow_modulation(CLEAN, "cpu")
+        assert refreshed.scale1.data_ptr() == ptr
+        assert same_bytes(refreshed, m.expert.modulation(torch.zeros(1)))
+    assert m.expert.flow_mods.computed == 2
