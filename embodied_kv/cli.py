@@ -124,7 +124,7 @@ def _field(flag: str) -> str:
 
 def train_config(args: argparse.Namespace):
     """`embodied-kv train`'s flags -> TrainConfig (ValueError naming a bad value)."""
-    from embodied_kv.train.loop import TrainConfig
+    from embodied_kv.train.config import TrainConfig
     from embodied_kv.world.dataset import DataConfig
 
     given = {k: getattr(args, k)
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "labels, a 30-action chunk; with --init world weights)")  # fmt: skip
     tr.add_argument("--steps", type=int, default=0, help="0: until --minutes runs out")
     tr.add_argument("--minutes", type=float, default=0.0, help="wall-clock budget (0: none)")
-    tr.add_argument("--batch", type=int, help="default: TrainConfig.batch (train/loop.py)")
+    tr.add_argument("--batch", type=int, help="default: TrainConfig.batch (train/config.py)")
     tr.add_argument("--buckets", type=int,
                     help="length groups a step is split into (default 2; 4: ~13%% faster on "
                          "the long memory streams, the same gradient up to fp32 rounding)")

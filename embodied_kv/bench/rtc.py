@@ -46,7 +46,7 @@ from embodied_kv.model.rtc import SCHEDULES, RTCConfig, sample_guided
 from embodied_kv.model.trained import WORLD_PRESETS, load_trained
 from embodied_kv.model.vla import MAX_POSITIONS, denoise_rows
 from embodied_kv.storage.arena import ArenaSpec, KVArena
-from embodied_kv.train.loop import EVAL_SEED_BASE
+from embodied_kv.train.config import EVAL_SEED_BASE
 
 DELAYS = (0, 2, 4, 8)
 DEFAULT_WORLD = "world_smooth"  # of the world presets (model/trained.py WORLD_PRESETS)

@@ -39,7 +39,7 @@ from embodied_kv.world import questions
 from embodied_kv.world.render import CAMERAS, observation_images
 
 GREEDY_TOKENS = 32  # VL-Cache reports agreement over the first 32 generated tokens
-SCENE_SEED = 7_000_000  # above the training seeds (train/loop.py) and eval world's
+SCENE_SEED = 7_000_000  # above the training seeds (train/config.py) and eval world's
 
 
 @dataclass(frozen=True)

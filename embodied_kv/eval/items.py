@@ -1,6 +1,6 @@
 """The held-out items of `eval world` and how a runner (eval/runners.py) goes through
 them: closed-loop episodes, scene questions, memory queries. Seeds lie above every
-training seed (train/loop.py EVAL_SEED_BASE); item i is a pure function of (cfg, i)."""
+training seed (train/config.py EVAL_SEED_BASE); item i is a pure function of (cfg, i)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from embodied_kv.eval.runners import as_runner
 from embodied_kv.kv.manager import TaskKind
-from embodied_kv.train.loop import EVAL_SEED_BASE
+from embodied_kv.train.config import EVAL_SEED_BASE
 from embodied_kv.world import memory, questions
 from embodied_kv.world.expert import STAGES, expert_action, expert_chunk
 from embodied_kv.world.scene import Scene
@@ -27,7 +27,7 @@ class EvalConfig:
     max_cycles: int = 12  # control cycles per episode (the expert needs <= 5)
     replan_every: int = 5  # actions executed per chunk (EngineConfig.replan_every)
     memory_updates: int = 1
-    seed: int = EVAL_SEED_BASE  # held out: above every training seed (train/loop.py)
+    seed: int = EVAL_SEED_BASE  # held out: above every training seed (train/config.py)
     action_mode: str = "flow"  # flow: the action expert | ar: bins action tokens (ActionFlow)
     sanity: int = 0  # episodes, questions and queries re-run for the exactness rows (0: none)
     # what the stage errors compare the first action with: the expert's action in the

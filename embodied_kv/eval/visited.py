@@ -3,7 +3,7 @@ DAgger (issue 34; the file format and replay: world/visited.py).
 
 Episodes run exactly as `eval world` runs them (the engine's unified loop, `flow`
 actions, replanning every `replan_every` actions) but on training-side seeds: from
-VISITED_SEED_BASE up, above every training seed (train/loop.py: seed < 2^15 times
+VISITED_SEED_BASE up, above every training seed (train/config.py: seed < 2^15 times
 TRAIN_SEED_STRIDE = 2^32) and below EVAL_SEED_BASE (2^48), so neither the held-out eval
 items nor the rollout samples are ever these. Each control cycle after the first (the
 first is the episode's start, which `--first-share` already trains) records the state
@@ -32,7 +32,7 @@ from embodied_kv.eval.items import EvalConfig
 from embodied_kv.eval.runners import EngineRunner
 from embodied_kv.eval.world import default_weights, make_engine
 from embodied_kv.model.trained import load_trained
-from embodied_kv.train.loop import EVAL_SEED_BASE, TRAIN_SEED_STRIDE
+from embodied_kv.train.config import EVAL_SEED_BASE, TRAIN_SEED_STRIDE
 from embodied_kv.world.scene import REAL_ACTION_DIMS
 from embodied_kv.world.tasks import episode
 from embodied_kv.world.visited import VisitedState, save_visited

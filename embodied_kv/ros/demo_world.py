@@ -29,7 +29,7 @@ from embodied_kv.world import memory, questions
 from embodied_kv.world.sim import WorldSim
 
 SERVICE_TIMEOUT_S = 10.0
-# held-out world seeds: above every training seed (train/loop.py EVAL_SEED_BASE = 2**48)
+# held-out world seeds: above every training seed (train/config.py EVAL_SEED_BASE = 2**48)
 # and apart from `eval world`'s items
 DEMO_SEED = 2**48 + 9 * 10**6
 EPISODE_WAIT_S = 2.0  # then ask anyway (an episode may run to its 200-action limit: 4 s)

@@ -19,7 +19,8 @@ from embodied_kv.train.action_bins import (
     soft_targets,
     token_losses,
 )
-from embodied_kv.train.loop import TrainConfig, train
+from embodied_kv.train.config import TrainConfig
+from embodied_kv.train.loop import train
 from embodied_kv.world.dataset import DataConfig
 
 

@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 from embodied_kv.model.trained import WEIGHTS_FILE, load_trained
 from embodied_kv.model.weights import SHAPE_FREE, load_weights
 from embodied_kv.train.batch import make_batch
+from embodied_kv.train.config import TrainConfig
 from embodied_kv.train.forward import backbone_forward, expert_velocity
-from embodied_kv.train.loop import TrainConfig, model_data, train
+from embodied_kv.train.loop import model_data, train
 from embodied_kv.train.losses import position_targets, prefix_only
 from embodied_kv.world.dataset import DataConfig, make_sample
 

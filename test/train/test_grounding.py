@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from embodied_kv.model.trained import WEIGHTS_FILE, load_trained
+from embodied_kv.train.config import TrainConfig
 from embodied_kv.train.grounding import GroundHead
-from embodied_kv.train.loop import TrainConfig, train
+from embodied_kv.train.loop import train
 from embodied_kv.train.losses import stage_errors
 from embodied_kv.train.resume import STATE_FILE
 from embodied_kv.world.dataset import DataConfig

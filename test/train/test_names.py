@@ -14,8 +14,9 @@ from embodied_kv.model.prompt import WordTokenizer
 from embodied_kv.model.trained import world_config
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import make_batch
+from embodied_kv.train.config import TrainConfig
 from embodied_kv.train.grounding import GroundHead
-from embodied_kv.train.loop import TrainConfig, train
+from embodied_kv.train.loop import train
 from embodied_kv.train.names import name_loss
 from embodied_kv.world.dataset import GROUND, DataConfig, make_sample
 from embodied_kv.world.questions import ask_colour, ask_count, ask_left, ask_where

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from embodied_kv.train.batch import make_batch
+from embodied_kv.train.config import TrainConfig
 from embodied_kv.train.grounding import GroundHead, object_loss
-from embodied_kv.train.loop import TrainConfig, train
+from embodied_kv.train.loop import train
 from embodied_kv.train.losses import head_outputs
 from embodied_kv.world.dataset import DataConfig, make_sample, object_centres
 from embodied_kv.world.render import LABELS, label_of, patch_labels

@@ -9,8 +9,8 @@ from embodied_kv.model.trained import world_config
 from embodied_kv.model.vla import build_model
 from embodied_kv.model.word_tokenizer import save_tokenizer
 from embodied_kv.train.batch import make_batch
+from embodied_kv.train.config import TrainConfig
 from embodied_kv.train.forward import backbone_forward, expert_velocity
-from embodied_kv.train.loop import TrainConfig
 from embodied_kv.train.losses import flow_terms, sample_time
 from embodied_kv.world.dataset import DataConfig, make_sample
 

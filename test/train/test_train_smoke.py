@@ -13,7 +13,8 @@ from embodied_kv.engine.engine import Engine, EngineConfig
 from embodied_kv.engine.loading import own_layout_config
 from embodied_kv.model.trained import TOKENIZER_FILE, WEIGHTS_FILE, load_trained
 from embodied_kv.model.vla import Observation
-from embodied_kv.train.loop import TrainConfig, call_over, data_at, lr_at, run_done, train
+from embodied_kv.train.config import TrainConfig
+from embodied_kv.train.loop import call_over, data_at, lr_at, run_done, train
 from embodied_kv.train.resume import STATE_FILE, ResumeError, config_changes, run_fingerprint
 from embodied_kv.world.dataset import DataConfig
 from embodied_kv.world.render import observation_images

@@ -13,7 +13,7 @@ from embodied_kv.eval.runners import EngineRunner
 from embodied_kv.eval.visited import VISITED_SEED_BASE, collect, collect_delayed, main
 from embodied_kv.eval.world import make_engine, random_model
 from embodied_kv.model.trained import world_config
-from embodied_kv.train.loop import EVAL_SEED_BASE
+from embodied_kv.train.config import EVAL_SEED_BASE
 from embodied_kv.world.dataset import DataConfig, make_sample
 from embodied_kv.world.expert import expert_chunk
 from embodied_kv.world.tasks import episode
