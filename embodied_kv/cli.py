@@ -111,6 +111,14 @@ _DATA_FLAGS = (
     ("--visited", str, "DAgger: a file of states the policy visited (`embodied-kv eval "
                        "visited` writes it)"),
     ("--visited-share", float, "share of samples drawn at those states (default 0)"),
+    ("--prefix-max", int, "training-time real-time chunking: each sample's first d actions "
+                          "(d uniform in 0..N) executed before the chunk, given clean, the "
+                          "loss on the rest; for rtc.guidance: prefix (default 0: off)"),
+    ("--prefix-detour", float, "share of those samples whose executed actions depart from "
+                               "the expert's plan, the rest of the chunk the expert's "
+                               "continuation from there (world/executed_prefix.py; default 0)"),
+    ("--prefix-free", float, "share of those samples given no held action before the uniform "
+                             "draw of d: the plain chunk kept strong (default 0)"),
 )  # fmt: skip
 
 
@@ -129,7 +137,7 @@ def train_config(args: argparse.Namespace):
 
     given = {k: getattr(args, k)
              for k in ("preset", "batch", "buckets", "lr", "threads", "curriculum", "ramp",
-                       "warmup", "prefix_max",
+                       "warmup",
                        "data_workers", "embed_std", "until", "stop_after", "flow_dims",
                        "ground_weight", "ground_layer", "freeze", "position_weight",
                        "object_weight", "bin_sigma", "bin_weight", "name_weight", "bin_first",
@@ -245,10 +253,6 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--flow-dims", type=int,
                     help="flow loss over the first N action dims (4: the world's real ones; "
                          "default 0: all)")  # fmt: skip
-    tr.add_argument("--prefix-max", type=int,
-                    help="training-time real-time chunking: each sample's first d actions "
-                         "(d uniform in 0..N) given clean, the loss on the rest; for "
-                         "rtc.guidance: prefix (default 0: off)")  # fmt: skip
     tr.add_argument("--ground-weight", type=float,
                     help="weight of the training-only grounding head's loss (named movable / "
                          "container / other per patch; default 0: off)")  # fmt: skip

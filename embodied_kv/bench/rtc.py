@@ -28,6 +28,7 @@ linear in them: pi0.5 has 18), eager on this device, interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import math
 from dataclasses import asdict
@@ -39,7 +40,16 @@ import torch
 from embodied_kv.bench import harness
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.loading import shipped_weights
-from embodied_kv.eval.delayed import REPLAN, TICKS, Trace, make_engine, methods, run_episode
+from embodied_kv.eval.delayed import (
+    EXECUTORS,
+    PREFIX_BAND,
+    REPLAN,
+    TICKS,
+    Trace,
+    make_engine,
+    methods,
+    run_episode,
+)
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert import ActionExpert
 from embodied_kv.model.rtc import SCHEDULES, RTCConfig, sample_guided
@@ -51,6 +61,8 @@ from embodied_kv.train.config import EVAL_SEED_BASE
 DELAYS = (0, 2, 4, 8)
 DEFAULT_WORLD = "world_smooth"  # of the world presets (model/trained.py WORLD_PRESETS)
 SEED = EVAL_SEED_BASE + 7 * 10**6  # held out, apart from eval world's items
+WARM_SEED = SEED - 1  # each row's unscored first episodes (the measured delay set), down
+WARM_EPISODES = 5
 PI05_PREFIX = 3 * 256 + 48  # 3 cameras + the published 48-token prompt
 
 
@@ -78,24 +90,42 @@ def summarise(traces: list[Trace]) -> dict:
     }
 
 
-def closed_loop(model, episodes: int, env, execution_horizon: int = 0,
-                ticks: int = TICKS, **rtc) -> list[dict]:  # fmt: skip
-    """`rtc`: further RTCConfig fields of the guided methods (schedule, max_guidance)."""
+def closed_loop(model, episodes: int, env, execution_horizon: int = 0, ticks: int = TICKS,
+                prefix_band: int = PREFIX_BAND, only: tuple[str, ...] = (),
+                **rtc) -> list[dict]:  # fmt: skip
+    """`rtc`: further RTCConfig fields of the guided methods (schedule, max_guidance);
+    `only`: these methods (by name; naive always runs: the ratios' base)."""
     rows = []
-    for ex in methods(execution_horizon, **rtc):
+    for ex in methods(execution_horizon, prefix_band, **rtc):
+        if only and ex.name not in only and ex.name != "naive":
+            continue
         engine = make_engine(model, ex.rtc)
         for d in DELAYS:
+            warm_delay(engine, ex, d, ticks)
+            before = copy.copy(engine.loop.rtc.counters) if engine.loop.rtc else None
             traces = [run_episode(engine, ex, SEED + e, d, ticks) for e in range(episodes)]
             row = {"method": ex.name, "delay": d, **summarise(traces)}
             # per episode: the ticks it took to succeed, -1 where it did not within `ticks`
             row["episode_ticks"] = [len(t.executed) if t.success else -1 for t in traces]
             if engine.loop.rtc is not None:
                 c = engine.loop.rtc.counters
-                row["guided_chunks"], row["chunks"] = c.guided, c.chunks
+                row["guided_chunks"] = c.guided - before.guided
+                row["chunks"] = c.chunks - before.chunks
             rows.append(row)
             harness.progress(env, f"{ex.name} d={d}: success {row['success']:.2f}, jump max "
                                   f"{row['jump_max']:.3f}")  # fmt: skip
     return rows
+
+
+def warm_delay(engine, ex, delay: int, ticks: int = TICKS) -> None:
+    """The measured d (rtc.delay: measured) persists across episodes, as on a robot whose
+    delay is its machine's: unscored episodes at `delay` until a chunk landed that late (a
+    short one may end before), so a row's first guided chunk does not hold the previous
+    row's d."""
+    for w in range(WARM_EPISODES):
+        run_episode(engine, ex, WARM_SEED - w, delay, ticks)
+        if engine.queue.switches.last_delay == delay:
+            return
 
 
 def latency(layers: int, repeats: int, device: str) -> dict:
@@ -160,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                         "guided)")  # fmt: skip
     p.add_argument("--max-guidance", type=float, default=RTCConfig.max_guidance,
                    help="RTC's beta (rtc.max_guidance)")
+    p.add_argument("--methods", default="", help="comma-separated methods to run (default: "
+                   f"all of {', '.join(EXECUTORS)}; naive always runs)")  # fmt: skip
+    p.add_argument("--prefix-band", type=int, default=PREFIX_BAND,
+                   help="rtc-prefix-band's rows error-guided after the held ones (rtc.band; "
+                        f"default {PREFIX_BAND})")  # fmt: skip
     a = harness.parse(p, argv)
     env = harness.Environment.start(a, argv)
     episodes = a.episodes or (6 if a.quick else 60)
@@ -178,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     s = a.execution_horizon
     rtc = {"schedule": a.schedule, "max_guidance": a.max_guidance}
     try:
-        RTCConfig(**rtc)  # a bad value fails here, before the episodes run
+        RTCConfig(**rtc, band=a.prefix_band)  # a bad value fails here, before the episodes
     except ValueError as e:
         p.error(str(e))
-    rows = closed_loop(model, episodes, env, s, a.ticks, **rtc)
+    only = tuple(m.strip() for m in a.methods.split(",") if m.strip())
+    unknown = sorted(set(only) - set(EXECUTORS))
+    if unknown:
+        p.error(f"--methods {','.join(unknown)}: not one of {', '.join(EXECUTORS)}")
+    rows = closed_loop(model, episodes, env, s, a.ticks, a.prefix_band, only, **rtc)
     lat = latency(layers, 3 if a.quick else 7, a.device)
     harness.progress(env, "latency done")
     sha = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
@@ -203,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     print("episodes that did not succeed within the budget (of each row's):",
           ", ".join(f"{r['method']} d={r['delay']}: {r['episode_ticks'].count(-1)}"
                     for r in rows))  # fmt: skip
-    print("rtc-prefix holds the d stale actions clean (training-time RTC): it needs weights "
-          "trained with `train --prefix-max` (the shipped ones are not; --weights FILE)")
+    print("rtc-prefix holds the d stale actions clean (training-time RTC: weights trained "
+          f"with `train --prefix-max`); rtc-prefix-band also error-guides the {a.prefix_band} "
+          "rows after them")  # fmt: skip
     print(f"latency at pi05 widths, {layers} expert layer(s), {a.device}:")
     print_table(["loop", "median_ms", "p10_ms", "p90_ms", "x_plain"], [
         [k, lat[k]["median"], lat[k]["p10"], lat[k]["p90"], lat[k].get("x_plain", 1.0)]
@@ -224,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             "weights": str(weights),
             "weights_sha256": sha,
             "rtc": asdict(RTCConfig(enabled=True, execution_horizon=s, **rtc)),
+            "prefix_band": a.prefix_band,
+            "methods": sorted({r["method"] for r in rows}),
         },  # fmt: skip
         "closed_loop": rows,
         "latency_pi05_widths": lat,

@@ -17,6 +17,7 @@ its jump |a_t - a_{t-1}| (L2, robot units) is counted in `switches`.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -75,7 +76,10 @@ class ActionQueue:
             if self._next_tick is not None:  # something was popped: the chunk lands there
                 d = max(0, self._next_tick - start_tick)
                 e = self._delay_ema
-                self._delay = d if self._delay is None else (1 - e) * self._delay + e * d
+                # a longer delay is taken at once, a shorter one approached at delay_ema a
+                # chunk: the estimate errs long (an action held too many costs a tick of
+                # reaction; one too few is executed from the old chunk unheld: a jump)
+                self._delay = d if self._delay is None else max(d, (1 - e) * self._delay + e * d)
                 self.switches.last_delay = d
             self._switch = self._chunk is not None
             self._model = None if model_chunk is None else np.array(model_chunk, np.float32)
@@ -111,10 +115,10 @@ class ActionQueue:
             return self._model.copy(), start_tick - self._start
 
     def delay_ticks(self) -> int | None:
-        """The moving estimate of d rounded to ticks; None before any chunk landed after a
-        pop."""
+        """The moving estimate of d rounded to ticks (halves up); None before any chunk
+        landed after a pop."""
         with self._lock:
-            return None if self._delay is None else int(round(self._delay))
+            return None if self._delay is None else math.floor(self._delay + 0.5)
 
     def pop(self, tick: int) -> tuple[np.ndarray, bool]:
         """The action for `tick` and whether it is fresh (False: a repeat, a miss)."""

@@ -121,7 +121,8 @@ class Engine:
             )
             rtc = None
             if cfg.rtc.enabled:
-                rtc = ChunkGuide(cfg.rtc, c.action_horizon, cfg.replan_every, self.model.device)
+                rtc = ChunkGuide(cfg.rtc, c.action_horizon, cfg.replan_every, self.model.device,
+                                 self.robot.action_dim)  # fmt: skip
             self.loop = FrameLoop(self.manager, self.queue, loop_cfg, robot=self.robot, rtc=rtc)
         self.policy = self.loop.policy
         self.memory = SegmentMemory(cfg.memory, embedder(self.model))

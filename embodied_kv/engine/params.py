@@ -114,6 +114,7 @@ RTC_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("rtc.guidance", "vjp", "vjp (PiGDM, the paper) | error (LeRobot, no backward) | "
               "prefix (the d stale actions held: weights trained with train --prefix-max)"),
     ParamSpec("rtc.delay", "measured", "d: measured (moving estimate) | ticks, an integer"),
+    ParamSpec("rtc.band", 0, "rows of W's schedule after d (0: up to H - s); prefix: guided rows"),
 )
 ENGINE_PARAMS = ENGINE_PARAMS + ACTION_MODE_PARAMS + MEMORY_PARAMS + RTC_PARAMS
 
@@ -192,6 +193,7 @@ def engine_config(get: Callable[[str], Any]) -> EngineConfig:
             schedule=_str(get, "rtc.schedule"),
             guidance=_str(get, "rtc.guidance"),
             delay=_delay(get),
+            band=_int(get, "rtc.band"),
         ),
     )
 

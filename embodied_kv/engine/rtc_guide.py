@@ -34,13 +34,18 @@ class RTCCounters:
 
 
 class ChunkGuide:
-    def __init__(self, cfg: RTCConfig, horizon: int, replan_every: int, device):
+    def __init__(self, cfg: RTCConfig, horizon: int, replan_every: int, device,
+                 action_dims: int = 0):  # fmt: skip
+        """`action_dims`: the robot's action dims; the model's dims beyond them (padding,
+        zero in every training chunk, any value in its output) are guided towards 0, not
+        towards the old chunk's values there (0: every dim is the robot's)."""
         if not cfg.enabled:
             raise ValueError("ChunkGuide needs rtc.enabled: true")
         s = cfg.execution_horizon or replan_every
         if s > horizon:
             raise ValueError(f"rtc.execution_horizon={s} exceeds the chunk's {horizon} actions")
         self.cfg, self.horizon, self.s, self.device = cfg, horizon, s, torch.device(device)
+        self.action_dims = action_dims
         self.counters = RTCCounters()
 
     def delay(self, queue: ActionQueue) -> int:
@@ -60,10 +65,12 @@ class ChunkGuide:
             h = self.horizon
             y = torch.zeros(model.shape, dtype=torch.float32)  # [H, A_model]
             y[: h - shift] = torch.from_numpy(model[shift:])
+            if self.action_dims:
+                y[:, self.action_dims :] = 0.0
             d = self.delay(queue)
-            # prefix (training-time RTC) holds the d stale rows only: the hard schedule
-            schedule = "hard" if self.cfg.guidance == "prefix" else self.cfg.schedule
-            w = prefix_weights(h, d, self.s, schedule)
+            # prefix (training-time RTC) holds the d stale rows (W = 1), error-guides the
+            # schedule's rows after them (none with `hard`)
+            w = prefix_weights(h, d, self.s, self.cfg.schedule, self.cfg.band)
             w[h - shift :] = 0.0
             guide = Guide(to_device(y, self.device), to_device(w, self.device), d)
         c = self.counters

@@ -39,6 +39,9 @@ TICKS = 60  # per episode: eval world's 12 cycles x 5 actions
 MOTION_DIMS = 3  # x, y, z: the arm's position targets (Scene.step reads these and the
 # gripper, whose open/close command is a step of 2 by design and is left out of the jumps)
 ENSEMBLE_M = 0.01  # ACT temporal_ensemble_coeff
+# rtc-prefix-band: rows error-guided after the held ones (measured on world_smooth: the
+# full band [d, H - s) holds the old plan too long and costs success, docs/rtc.md)
+PREFIX_BAND = 10
 
 
 @dataclass
@@ -77,9 +80,9 @@ class Naive(Executor):
 
 
 class Guided(Executor):
-    def __init__(self, guidance: str, execution_horizon: int = 0, **rtc):
-        """`rtc`: further RTCConfig fields (schedule, max_guidance, delay)."""
-        self.name = f"rtc-{guidance}"
+    def __init__(self, guidance: str, execution_horizon: int = 0, name: str = "", **rtc):
+        """`rtc`: further RTCConfig fields (schedule, max_guidance, delay, band)."""
+        self.name = name or f"rtc-{guidance}"
         self.rtc = RTCConfig(enabled=True, guidance=guidance, execution_horizon=execution_horizon,
                              **rtc)  # fmt: skip
 
@@ -104,11 +107,16 @@ class Ensemble(Executor):
         return self.last.copy()
 
 
-def methods(execution_horizon: int = 0, **rtc) -> list[Executor]:
-    """Every executor; `execution_horizon` and `rtc` (RTCConfig fields) set the guided ones."""
+def methods(execution_horizon: int = 0, prefix_band: int = PREFIX_BAND, **rtc) -> list[Executor]:
+    """Every executor; `execution_horizon` and `rtc` (RTCConfig fields) set the guided ones.
+    rtc-prefix holds the d stale actions alone (the hard schedule); rtc-prefix-band also
+    error-guides the `prefix_band` rows after them (rtc's schedule and beta)."""
+    held = {**rtc, "schedule": "hard"}
+    banded = {**rtc, "band": prefix_band}
     return [Naive(), Ensemble(), Guided("vjp", execution_horizon, **rtc),
             Guided("error", execution_horizon, **rtc),
-            Guided("prefix", execution_horizon, **rtc)]  # fmt: skip
+            Guided("prefix", execution_horizon, **held),
+            Guided("prefix", execution_horizon, "rtc-prefix-band", **banded)]  # fmt: skip
 
 
 EXECUTORS = tuple(ex.name for ex in methods())

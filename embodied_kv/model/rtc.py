@@ -51,6 +51,9 @@ class RTCConfig:
     delay: int | str = "measured"  # d in ticks: "measured" (the queue's moving estimate of
     # observation -> chunk arrival) or a fixed int >= 0
     delay_ema: float = 0.5  # weight of the newest measured delay in the estimate
+    band: int = 0  # rows of W's schedule after the d stale ones: W over [d, min(H - s,
+    # d + band)); 0 = up to H - s (the paper's). With `prefix`: the error-guided rows after
+    # the held ones (`hard`: none)
 
     def __post_init__(self):
         if not (math.isfinite(self.max_guidance) and self.max_guidance >= 0):
@@ -66,6 +69,8 @@ class RTCConfig:
             raise ValueError(f"rtc.delay={d!r}: use 'measured' or an int >= 0 (ticks)")
         if not 0 < self.delay_ema <= 1:
             raise ValueError(f"rtc.delay_ema={self.delay_ema} must be in (0, 1]")
+        if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 0:
+            raise ValueError(f"rtc.band={self.band!r} must be an int >= 0 (0: up to H - s)")
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,10 @@ class Guide:
     delay: int  # d used for W (ticks)
 
 
-def prefix_weights(horizon: int, delay: int, execution_horizon: int, schedule: str) -> torch.Tensor:
-    """W [H] fp32 (paper eq. 5): 1 for i < d, the schedule over [d, H - s), 0 after."""
+def prefix_weights(horizon: int, delay: int, execution_horizon: int, schedule: str,
+                   band: int = 0) -> torch.Tensor:  # fmt: skip
+    """W [H] fp32 (paper eq. 5): 1 for i < d, the schedule over [d, H - s), 0 after;
+    band > 0 ends the schedule at d + band if that comes first."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
     if horizon < 1 or delay < 0 or execution_horizon < 0:
@@ -88,6 +95,8 @@ def prefix_weights(horizon: int, delay: int, execution_horizon: int, schedule: s
     d = min(delay, horizon)
     w[:d] = 1.0
     end = horizon - execution_horizon
+    if band:
+        end = min(end, d + band)
     if schedule != "hard" and end > d:
         i = torch.arange(d, end, dtype=torch.float64)
         c = (end - i) / (end - d + 1)
@@ -160,10 +169,10 @@ def sample_guided(
     """ActionExpert.sample with RTC guidance -> chunk [H, A] fp32. The same modulation,
     mask and update order, so beta = 0 gives its bytes. No host reads of device values
     (target and weights may be a graph's static buffers). `prefix`: the d stale rows held
-    instead (rtc_prefix.py; beta unused)."""
+    instead, the rows of W's schedule after them `error`-guided (rtc_prefix.py)."""
     if guidance == "prefix":
         return sample_prefixed(expert, arena, slot, prefix_len, noise, target, weights, rows,
-                               layer_rows)  # fmt: skip
+                               layer_rows, beta)  # fmt: skip
     steps = expert.cfg.denoise_steps
     dt = -1.0 / steps
     x = noise.float()

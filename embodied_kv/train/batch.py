@@ -39,6 +39,8 @@ class Batch:
     # index of the name's last token) and [M, 2] their table (x, y) (train/names.py)
     names_at: torch.Tensor | None = None
     names_xy: torch.Tensor | None = None
+    # [B] actions executed before each chunk (training-time RTC, Sample.held); None: off
+    held: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -105,6 +107,8 @@ def make_batch(samples: list[Sample], tokenizer, cfg: ModelConfig) -> Batch:
         centres=torch.from_numpy(np.stack([s.centres.reshape(-1, 2) for s in samples])),
         names_at=torch.tensor(names_at, dtype=torch.long).reshape(-1, 2),
         names_xy=torch.tensor(names_xy, dtype=torch.float32).reshape(-1, 2),
+        held=None if all(s.held is None for s in samples)
+        else torch.tensor([s.held or 0 for s in samples]),
     )
 
 

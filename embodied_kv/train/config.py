@@ -32,9 +32,6 @@ class TrainConfig:
     # the flow loss over the first flow_dims action dims (4: the world's real ones, x y z
     # gripper; dims 4..7 are always 0); 0 = every dim of the model's action_dim
     flow_dims: int = 0
-    # training-time real-time chunking (model/rtc_prefix.py, train/losses.py flow_terms):
-    # each sample's first d actions, d uniform in 0..prefix_max, given clean; 0 = off
-    prefix_max: int = 0
     # the training-only grounding head (train/grounding.py) on the image rows after
     # ground_layer backbone layers: named movable / named container / other; 0 = off
     ground_weight: float = 0.0
@@ -141,8 +138,6 @@ class TrainConfig:
         if self.flow_dims < 0 or self.ground_weight < 0 or self.ground_layer < 1:
             raise ValueError(f"flow_dims={self.flow_dims} >= 0, ground_weight="
                              f"{self.ground_weight} >= 0, ground_layer={self.ground_layer} >= 1")
-        if self.prefix_max < 0:
-            raise ValueError(f"prefix_max={self.prefix_max} must be >= 0")
         if not set(self.freeze) <= set(FREEZABLE) or set(self.freeze) == set(FREEZABLE):
             raise ValueError(f"freeze={self.freeze}: some of {FREEZABLE}, not all")
         for name in ("position_weight", "object_weight"):

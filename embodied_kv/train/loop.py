@@ -191,12 +191,11 @@ def expert_only(cfg: TrainConfig) -> bool:
 def step_losses(cfg: TrainConfig, model, b, gen, head, ground):
     """One length bucket's losses, weighted by its share of the step's samples."""
     if expert_only(cfg):
-        return expert_losses(model, b, gen, b.size / cfg.batch, cfg.flow_dims, cfg.prefix_max)
+        return expert_losses(model, b, gen, b.size / cfg.batch, cfg.flow_dims)
     return compute_losses(model, b, gen, cfg.flow_weight, b.size / cfg.batch, head,
                           cfg.patch_weight, cfg.flow_dims, ground, cfg.ground_weight,
                           cfg.position_weight, cfg.object_weight, cfg.bin_sigma,
-                          cfg.bin_weight, cfg.name_weight, cfg.bin_first,
-                          cfg.prefix_max)  # fmt: skip
+                          cfg.bin_weight, cfg.name_weight, cfg.bin_first)  # fmt: skip
 
 
 def call_over(cfg: TrainConfig, step: int, call_seconds: float) -> bool:

@@ -78,7 +78,7 @@ def compute_losses(
     patch_weight: float = 1.0, flow_dims: int = 0, ground_head: GroundHead | None = None,
     ground_weight: float = 0.0, position_weight: float = 0.0, object_weight: float = 0.0,
     bin_sigma: float = 0.0, bin_weight: float = 1.0, name_weight: float = 0.0,
-    bin_first: float = 1.0, prefix_max: int = 0,
+    bin_first: float = 1.0,
 ) -> Losses:
     """Mean losses of the batch; `total` weighs them by the batch's share of the step's
     samples (a step split into length buckets sums to the full means). The text loss is
@@ -90,8 +90,7 @@ def compute_losses(
     (train/action_bins.py; 0 = one-hot, as every other token), their losses times
     `bin_weight`, the first step's ids' times `bin_first` more. `name_weight` > 0: the
     grounding head's object outputs also regress the
-    position of each thing the text names from its name's row (train/names.py).
-    `prefix_max`: flow_terms' training-time RTC."""
+    position of each thing the text names from its name's row (train/names.py)."""
     out = backbone_forward(model, batch, ground_head.layer if ground_head is not None else 0)
     rows, cols = (batch.labels != IGNORE).nonzero(as_tuple=True)
     logits = text_logits(model, out, rows, cols)  # [N, V]
@@ -105,7 +104,7 @@ def compute_losses(
     text = per_sample_mean(tokens, rows, batch.size)
     right = logits.argmax(-1) == targets
     acc = right.float().mean()
-    flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims, prefix_max)
+    flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims)
     total = text + flow_weight * flow
     ground = obj_rows = names = torch.zeros(())
     recall = 0.0
@@ -161,7 +160,7 @@ def position_targets(cameras: int, image_tokens: int, device=None) -> torch.Tens
 
 def expert_losses(
     model, batch: Batch, generator: torch.Generator, sample_share: float = 1.0,
-    flow_dims: int = 0, prefix_max: int = 0,
+    flow_dims: int = 0,
 ) -> Losses:
     """The flow loss alone with the backbone frozen (knowledge insulation: pi0.5 stops the
     action expert's gradient at the VLM, so the text skills stay as they are): the
@@ -169,7 +168,7 @@ def expert_losses(
     are not needed) and only the expert's parameters get gradients."""
     with torch.no_grad():
         out = backbone_forward(model, prefix_only(batch))
-    flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims, prefix_max)
+    flow, real, estimate = flow_terms(model, out, batch, generator, flow_dims)
     return Losses(flow * sample_share, 0.0, float(flow.detach()), 0.0, {}, 0, batch.size,
                   stage_err=stage_errors(estimate, batch.actions, batch.phases),
                   flow_real=float(real))  # fmt: skip
@@ -182,14 +181,13 @@ def prefix_only(batch: Batch) -> Batch:
                    labels=torch.full_like(batch.labels[:, :t], IGNORE))  # fmt: skip
 
 
-def flow_terms(model, out, batch: Batch, generator: torch.Generator, flow_dims: int,
-               prefix_max: int = 0):  # fmt: skip
+def flow_terms(model, out, batch: Batch, generator: torch.Generator, flow_dims: int):
     """-> (flow loss over the first flow_dims dims (0: all), its value over the real dims
     (detached), the one-step estimate x_t - t v of the clean chunk (detached)).
 
-    `prefix_max` > 0: training-time real-time chunking (model/rtc_prefix.py): each sample's
-    first d actions (d uniform in 0..prefix_max, from the seeded generator) are given clean
-    at flow time 0 and the loss covers the other rows; 0 draws nothing (the bytes of before)."""
+    `batch.held` (training-time real-time chunking, model/rtc_prefix.py; the data's
+    `prefix_max`, world/executed_prefix.py): each sample's first held actions are given
+    clean at flow time 0 and the loss covers the other rows; None: the loss of before."""
     actions = batch.actions
     # drawn on the CPU from the seeded generator: the same noise on every device
     noise = torch.randn(actions.shape, generator=generator).to(actions.device)
@@ -197,13 +195,13 @@ def flow_terms(model, out, batch: Batch, generator: torch.Generator, flow_dims: 
     tt = t[:, None, None]
     x_t = tt * noise + (1 - tt) * actions
     dims = flow_dims or actions.shape[-1]
-    if prefix_max <= 0:
+    if batch.held is None:
         v = expert_velocity(model, out, x_t, t)
         flow = F.mse_loss(v[..., :dims], (noise - actions)[..., :dims])
         real = F.mse_loss(v[..., :REAL], (noise - actions)[..., :REAL]).detach()
         return flow, real, (x_t - tt * v).detach()
     b, h = actions.shape[:2]
-    d = torch.randint(0, prefix_max + 1, (b,), generator=generator).to(actions.device)
+    d = batch.held.to(actions.device)
     held = torch.arange(h, device=actions.device)[None] < d[:, None]  # [B, H]
     x_t = torch.where(held[..., None], actions, x_t)
     t_rows = torch.where(held, torch.zeros_like(t)[:, None], t[:, None])  # [B, H]

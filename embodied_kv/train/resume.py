@@ -44,12 +44,21 @@ def run_fingerprint(cfg) -> str:
     return json.dumps(fields, sort_keys=True, default=str)
 
 
+# options moved into a section since a run may have been saved: at the value that changes
+# nothing (their default) they resume from there; another value is "gone from the code"
+# (prefix_max moved to the data, which now draws d per sample: other draws than before)
+MOVED = {"prefix_max": ("data", 0)}
+
+
 def config_changes(saved: str, cfg) -> list[str]:
     """Where `cfg` differs from the saved fingerprint. A field the saved run did not
     know (added to the code since) counts as unchanged at its default, so a run
     resumes across versions that only add options."""
     old = json.loads(saved)
     new = json.loads(run_fingerprint(cfg))
+    for key, (section, same) in MOVED.items():
+        if old.get(key) == same and key not in new and isinstance(old.get(section), dict):
+            old[section].setdefault(key, old.pop(key))
     return _diff(old, new, cfg, "")
 
 

@@ -31,10 +31,11 @@ after the previous answer's EOS) — more answers per prefill, the same format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from embodied_kv.world.executed_prefix import executed_chunk
 from embodied_kv.world.expert import ACTION_LABELS, expert_action, expert_chunk, steps_to_success
 from embodied_kv.world.memory import ANSWER_FORMS, sample_queries
 from embodied_kv.world.narration import narrate
@@ -77,6 +78,15 @@ class DataConfig:
     # file, eval/visited.py collects it), labelled by the expert; the rest as `rollout`
     visited: str = ""
     visited_share: float = 0.0
+    # training-time real-time chunking (world/executed_prefix.py): each sample's first d
+    # actions (d uniform in 0..prefix_max) executed before the chunk and given clean, the
+    # loss on the rest; on `prefix_detour` of the samples they depart from the expert's plan
+    # and the rest is the expert's continuation from where they leave the arm; 0 = off
+    prefix_max: int = 0
+    prefix_detour: float = 0.0
+    # share of those samples drawn with d = 0 before the uniform draw: the plain chunk, what
+    # an episode's first chunk and naive switching sample, kept strong
+    prefix_free: float = 0.0
 
     def __post_init__(self):
         if len(self.text_mix) != len(TEXT_KINDS) or min(self.text_mix) < 0 or sum(
@@ -86,7 +96,8 @@ class DataConfig:
                              f"not all 0 ({TEXT_KINDS})")  # fmt: skip
         if not all(0 <= x <= 1 for x in (self.two_hop_share, self.perturb, self.memory_hard,
                                          self.first_share, self.arm_start_share,
-                                         self.where_share, self.visited_share)):  # fmt: skip
+                                         self.where_share, self.visited_share,
+                                         self.prefix_detour, self.prefix_free)):  # fmt: skip
             raise ValueError(f"shares must be in [0, 1]: {self}")
         if self.horizon < 1 or self.max_rollout < 0 or self.memory_updates < 0:
             raise ValueError(f"bad data config: {self}")
@@ -98,6 +109,11 @@ class DataConfig:
             raise ValueError(f"rollout {self.rollout!r}: one of {ROLLOUTS}")
         if self.visited_share > 0 and not self.visited:
             raise ValueError(f"visited_share {self.visited_share} needs a visited states file")
+        if self.prefix_max < 0:
+            raise ValueError(f"prefix_max {self.prefix_max} must be >= 0")
+        if (self.prefix_detour > 0 or self.prefix_free > 0) and self.prefix_max == 0:
+            raise ValueError(f"prefix_detour {self.prefix_detour} and prefix_free "
+                             f"{self.prefix_free} need prefix_max > 0")  # fmt: skip
         if self.turns < 1 or not 2 <= self.memory_objects <= MAX_OBJECTS:
             raise ValueError(f"turns >= 1 and memory_objects in [2, {MAX_OBJECTS}]: {self}")
 
@@ -117,6 +133,9 @@ class Sample:
     # things the text names: (turn index, the naming words, table x, y); turn -1 is the
     # instruction (its movable, then its container), then each question's things
     names: tuple[tuple[int, str, float, float], ...] = ()
+    # training-time RTC: the first `held` actions were executed before the chunk (given
+    # clean, not scored); None: the run does not train it (DataConfig.prefix_max 0)
+    held: int | None = None
 
     @property
     def suffix(self) -> str:
@@ -156,20 +175,31 @@ def make_sample(cfg: DataConfig, seed: int) -> Sample:
                  for i, q in enumerate(queries)]  # fmt: skip
     elif kind == "narration":
         turns = [("", narrate(phase, task))]
-    return scene_sample(cfg, scene, task, kind, tuple(turns), phase, tuple(names))
+    held = chunk = None
+    if cfg.prefix_max > 0:  # no draw when off: the samples of before
+        free = cfg.prefix_free > 0 and rng.random() < cfg.prefix_free  # no draw at 0
+        held = 0 if free else int(rng.integers(0, cfg.prefix_max + 1))
+        detour = rng.random() < cfg.prefix_detour
+        if kind == "actions":  # the `bins` ids of a chunk the observation decides alone
+            held = 0
+        chunk = executed_chunk(scene, task, cfg.horizon, cfg.labels, held, detour, rng)
+    sample = scene_sample(cfg, scene, task, kind, tuple(turns), phase, tuple(names), chunk)
+    return sample if held is None else replace(sample, held=held)
 
 
 def scene_sample(cfg: DataConfig, scene: Scene, task: PutTask, kind: str,
                  turns: tuple[tuple[str, str], ...], phase: str,
-                 names: tuple[tuple[int, str, float, float], ...] = ()) -> Sample:  # fmt: skip
+                 names: tuple[tuple[int, str, float, float], ...] = (),
+                 chunk: np.ndarray | None = None) -> Sample:  # fmt: skip
     """`scene` under `task` rendered as a training sample (images, state, the expert's
-    chunk, the patch targets) with the given text; `phase` the expert's phase there."""
+    chunk or `chunk`, the patch targets) with the given text; `phase` the expert's phase
+    there."""
     patches = patch_labels(scene, cfg.image_size, cfg.patch)
     return Sample(
         images=observation_images(scene, cfg.image_size),
         state=scene.state(),
         instruction=task.instruction,
-        actions=expert_chunk(scene, task, cfg.horizon, cfg.labels),
+        actions=expert_chunk(scene, task, cfg.horizon, cfg.labels) if chunk is None else chunk,
         kind=kind,
         turns=turns,
         patches=patches,

@@ -96,10 +96,14 @@ def test_rtc_joins_the_shipped_smooth_world_s_chunks():
 
 def test_guided_executors_take_the_rtc_settings(world_model):  # noqa: F811
     """`bench rtc --schedule hard --max-guidance B`: the guided methods' engines guide with
-    that schedule (W = 1 on the d stale actions, 0 after) and beta."""
+    that schedule (W = 1 on the d stale actions, 0 after) and beta; rtc-prefix always holds
+    the stale actions alone, rtc-prefix-band guides `--prefix-band` rows after them."""
     guided = [ex for ex in delayed.methods(0, schedule="hard", max_guidance=2.0) if ex.rtc.enabled]
-    assert [ex.name for ex in guided] == ["rtc-vjp", "rtc-error", "rtc-prefix"]
+    assert [ex.name for ex in guided] == ["rtc-vjp", "rtc-error", "rtc-prefix", "rtc-prefix-band"]
     assert all(ex.rtc.schedule == "hard" and ex.rtc.max_guidance == 2.0 for ex in guided)
+    band = {ex.name: ex.rtc for ex in delayed.methods(0, 7) if ex.rtc.enabled}
+    assert band["rtc-prefix"].schedule == "hard" and band["rtc-prefix-band"].schedule == "exp"
+    assert band["rtc-prefix-band"].band == 7 and band["rtc-error"].band == 0
     ex = guided[1]
     engine = delayed.make_engine(world_model, ex.rtc)
     seen = []
@@ -108,14 +112,37 @@ def test_guided_executors_take_the_rtc_settings(world_model):  # noqa: F811
     delayed.run_episode(engine, ex, bench.SEED, 4, ticks=15)
     guides = [g for g in seen if g is not None]
     assert guides[-1].delay == 4  # measured: the first guided chunk still knew d = 0
+    assert guides[0].delay == 0 and all(g.delay == 4 for g in guides[1:])
     assert all(g.weights[: g.delay].eq(1).all() and g.weights[g.delay :].eq(0).all()
                for g in guides)  # fmt: skip
+
+
+def test_each_row_starts_with_its_own_measured_delay(world_model):  # noqa: F811
+    """After the previous row's d = 2, `warm_delay` at d = 4: every guided chunk of the next
+    episode holds 4 (a longer delay is taken at once)."""
+    ex = delayed.Guided("prefix", schedule="hard")
+    engine = delayed.make_engine(world_model, ex.rtc)
+    bench.warm_delay(engine, ex, 2)
+    assert engine.queue.delay_ticks() == 2
+    bench.warm_delay(engine, ex, 4)
+    seen = []
+    guide = engine.loop.rtc.guide
+    engine.loop.rtc.guide = lambda queue, tick: seen.append(guide(queue, tick)) or seen[-1]
+    delayed.run_episode(engine, ex, bench.SEED, 4, ticks=20)
+    delays = [g.delay for g in seen if g is not None]
+    assert len(delays) >= 2 and set(delays) == {4}
 
 
 def test_bench_refuses_a_bad_guidance_setting(capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--quick", "--max-guidance", "-1"])
     assert e.value.code == 2 and "max_guidance=-1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--prefix-band", "-2"])
+    assert e.value.code == 2 and "rtc.band=-2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--quick", "--methods", "rtc-prefix,rtc-magic"])
+    assert e.value.code == 2 and "rtc-magic: not one of" in capsys.readouterr().err
 
 
 def test_bench_refuses_weights_it_cannot_run(tmp_path, capsys):

@@ -109,6 +109,20 @@ def test_guided_cuda_graph_replay_equals_eager_in_bytes(guidance):
     assert graphed == eager
 
 
+def test_the_measured_delay_errs_long():
+    """A longer delay is taken at once, a shorter one approached at delay_ema a chunk (a
+    held action too many costs a tick of reaction, one too few an unheld switch)."""
+    q = ActionQueue(horizon=8, action_dim=1, delay_ema=0.5)
+    chunk = np.zeros((8, 1))
+    got = []
+    q.push(chunk, 0)
+    for tick, d in enumerate((1, 4, 1, 1, 1, 1), start=10):
+        q.pop(tick)
+        q.push(chunk, tick + 1 - d)  # observed d ticks before the tick it lands at
+        got.append(q.delay_ticks())
+    assert got == [1, 4, 3, 2, 1, 1]  # 4 -> 2.5 -> 1.75 -> 1.375 -> 1.19 (halves up)
+
+
 def test_queue_measures_delay_and_the_boundary_jump():
     q = ActionQueue(horizon=4, action_dim=2, delay_ema=0.5)
     first = np.arange(8.0).reshape(4, 2)
@@ -127,8 +141,8 @@ def test_queue_measures_delay_and_the_boundary_jump():
     assert q.switches.switches == 1 and q.switches.last_jump == pytest.approx(want)
     q.push(second, 2, model_chunk=np.zeros((4, 3), np.float32))  # lands at 4: d 2 -> EMA 2
     q.pop(4)
-    q.push(second, 2, model_chunk=np.ones((4, 3), np.float32))  # lands at 5: d 3 -> 2.5
-    assert q.delay_ticks() == 2 and q.switches.last_delay == 3
+    q.push(second, 2, model_chunk=np.ones((4, 3), np.float32))  # lands at 5: d 3, at once
+    assert q.delay_ticks() == 3 and q.switches.last_delay == 3
     model, shift = q.previous(5)
     assert shift == 3 and model.shape == (4, 3) and model.dtype == np.float32
     state = q.state_tensors()
@@ -157,6 +171,12 @@ def test_guide_is_the_previous_chunk_shifted_to_the_new_start():
     assert torch.equal(guide.weights, w) and guide.delay == 2
     assert g.guide(q, 110) is None and g.guide(q, 99) is None  # no overlap / before it
     assert g.counters.chunks == 3 and g.counters.guided == 1 and not g.counters.last_applied
+    # a robot of 2 dims on a model of 3: the padding dim (zero in every training chunk,
+    # anything in the model's output) is held at 0, the robot's at the old chunk's values
+    padded = ChunkGuide(RTCConfig(True, delay=2, execution_horizon=3), h, 5, "cpu", 2)
+    target = padded.guide(q, 104).target
+    assert torch.equal(target[:6, :2], torch.from_numpy(prev[4:, :2]))
+    assert not target[:, 2:].any()
     with pytest.raises(ValueError, match="execution_horizon"):
         ChunkGuide(RTCConfig(True, execution_horizon=11), h, 5, "cpu")
     with pytest.raises(ValueError, match="enabled"):
@@ -226,9 +246,9 @@ def test_a_chunk_from_a_scene_older_than_its_instruction_is_not_the_plan(tiny_mo
 
 
 def test_prefix_guidance_holds_the_stale_actions_of_the_chunk_executing(tiny_model):
-    """`guidance: prefix` (training-time RTC): the guide is the hard schedule whatever
-    `rtc.schedule` says, and each new chunk's first d actions are the previous chunk's for
-    the same ticks, in model units and so in robot units."""
+    """`guidance: prefix` (training-time RTC): each new chunk's first d actions are the
+    previous chunk's for the same ticks, in model units and so in robot units, also with
+    the exp schedule's band after them guided."""
     rtc = RTCConfig(True, guidance="prefix", delay=2, schedule="exp")
     chunks, engine = run_engine(tiny_model, rtc)
     h, a = tiny_model.cfg.action_horizon, engine.robot.action_dim

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from embodied_kv.model.config import get_preset
-from embodied_kv.model.rtc import prefix_weights, sample_guided
+from embodied_kv.model.rtc import guidance_weights, prefix_weights, sample_guided
 from embodied_kv.model.rtc_prefix import row_modulation, sample_prefixed
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model, denoise_rows
@@ -61,3 +61,54 @@ def test_row_modulation_takes_t0_on_held_rows_and_step_k_elsewhere(rig):
     assert got.scale1.shape == (mod.scale1.shape[0], 1, 4, mod.scale1.shape[-1])
     assert torch.equal(got.shift[:, 0, 0], clean.shift[:, 0])
     assert all(torch.equal(got.gate[:, 0, i], mod.gate[:, 1]) for i in (1, 2, 3))
+
+
+def test_the_band_after_the_held_rows_is_error_guided(rig):
+    """0 < W < 1 after the held rows: each step's velocity there is v - g_k W (Y - (x - t v))
+    (float64 reference over the same velocities); beta 0 or the hard schedule: the held rows
+    alone, in bytes."""
+    model, arena, slot, plen, rows, noise, target = rig
+    h, d, beta = model.cfg.action_horizon, 2, 5.0
+    hard = prefix_weights(h, d, 1, "hard")
+    alone = sample_prefixed(model.expert, arena, slot, plen, noise, target, hard, rows)
+    assert torch.equal(sample_prefixed(model.expert, arena, slot, plen, noise, target, hard,
+                                       rows, beta=beta), alone)  # fmt: skip
+    w = prefix_weights(h, d, 1, "exp", band=3)
+    assert w[:d].eq(1).all() and (w[d : d + 3] > 0).all() and (w[d : d + 3] < 1).all()
+    assert not w[d + 3 :].any()
+    assert torch.equal(sample_prefixed(model.expert, arena, slot, plen, noise, target, w, rows),
+                       alone)  # beta 0: no band  # fmt: skip
+    got = sample_prefixed(model.expert, arena, slot, plen, noise, target, w, rows, beta=beta)
+    # the reference: the same loop in float64 from the expert's velocities at each x
+    calls = []
+    velocity_at = model.expert.velocity_at
+
+    def record(x, *args, **kw):
+        v = velocity_at(x, *args, **kw)
+        calls.append((x.double(), v.double()))
+        return v
+
+    model.expert.velocity_at = record
+    try:
+        again = sample_prefixed(model.expert, arena, slot, plen, noise, target, w, rows,
+                                beta=beta)  # fmt: skip
+    finally:
+        del model.expert.velocity_at
+    assert torch.equal(again, got)
+    steps = model.expert.cfg.denoise_steps
+    assert len(calls) == steps
+    gs = guidance_weights([1.0 - k / steps for k in range(steps)], beta)
+    held = w[:, None].double() == 1
+    band = torch.where(held, 0.0, w[:, None].double())
+    y = target.double()
+    for k, (x, v) in enumerate(calls):
+        t = 1.0 - k / steps
+        ref = x + (-1.0 / steps) * (v - gs[k] * band * (y - (x - t * v)))
+        ref = torch.where(held, y, ref)
+        nxt = calls[k + 1][0] if k + 1 < len(calls) else got.double()
+        assert torch.allclose(nxt.reshape(ref.shape), ref, atol=1e-5, rtol=1e-5), k
+    assert torch.equal(got[:d], target[:d])
+    # the band is pulled towards the old chunk, the rows after it much less
+    gap = (got - target).norm(dim=-1)
+    free = (alone - target).norm(dim=-1)
+    assert (gap[d : d + 3] < free[d : d + 3]).all()

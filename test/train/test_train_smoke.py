@@ -273,3 +273,9 @@ def test_a_saved_run_resumes_after_the_code_gains_an_option():
     assert config_changes(json.dumps({**saved, "old": 1}), cfg) == [
         "old: saved 1, gone from the code"
     ]
+    # prefix_max moved from the run into the data: off it resumes, on it draws otherwise now
+    moved = {**saved, "prefix_max": 0}
+    assert config_changes(json.dumps(moved), cfg) == []
+    assert config_changes(json.dumps({**saved, "prefix_max": 8}), cfg) == [
+        "prefix_max: saved 8, gone from the code"
+    ]
