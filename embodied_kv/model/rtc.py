@@ -170,15 +170,15 @@ def sample_guided(
     mask and update order, so beta = 0 gives its bytes. No host reads of device values
     (target and weights may be a graph's static buffers). `prefix`: the d stale rows held
     instead, the rows of W's schedule after them `error`-guided (rtc_prefix.py)."""
-    if guidance == "prefix":
-        return sample_prefixed(expert, arena, slot, prefix_len, noise, target, weights, rows,
-                               layer_rows, beta)  # fmt: skip
     steps = expert.cfg.denoise_steps
     dt = -1.0 / steps
+    host_t = [1.0 + k * dt for k in range(steps)]  # the flow times in float64 on the host
+    gs = guidance_weights(host_t, beta)
+    if guidance == "prefix":
+        return sample_prefixed(expert, arena, slot, prefix_len, noise, target, weights, rows,
+                               layer_rows, gs if beta > 0 else None)  # fmt: skip
     x = noise.float()
     times = step_times(steps, x.device)
-    host_t = [1.0 + k * dt for k in range(steps)]  # the same values in float64 on the host
-    gs = guidance_weights(host_t, beta)
     mod = expert.flow_modulation(steps, x.device)  # that of `times`, kept across actions
     ctx = expert.context(None, x.shape[0], prefix_len, rows, x.device, layer_rows, mod)
     for k in range(steps):

@@ -21,8 +21,8 @@ The rows of W's schedule after the held ones (0 < W < 1: `rtc.schedule` exp or l
 over `rtc.band` rows or up to H - s) are pulled towards the old chunk as `guidance: error`
 pulls them (v - g_k W (Y - (x - t v)), g_k = min(beta, ...)): a policy trained on
 executed prefixes already continues from the held rows, and the band eases its first free
-actions into the old plan's. `hard` (W 0 after d) or beta = 0: the held rows alone, the
-bytes of before.
+actions into the old plan's. `hard` (W 0 after d) or no `gs` (beta = 0): the held rows
+alone, the bytes of before.
 """
 
 from __future__ import annotations
@@ -51,13 +51,12 @@ def row_modulation(held: torch.Tensor, clean: Modulation, mod: Modulation, k: in
 def sample_prefixed(expert, arena: KVArena, slot: int, prefix_len, noise: torch.Tensor,
                     target: torch.Tensor, weights: torch.Tensor, rows: int | None = None,
                     layer_rows: torch.Tensor | None = None,
-                    beta: float = 0.0) -> torch.Tensor:  # fmt: skip
+                    gs: list[float] | None = None) -> torch.Tensor:  # fmt: skip
     """ActionExpert.sample with the rows where `weights` is 1 (the d stale actions) held at
     `target` (the previous chunk, model units) -> chunk [H, A] fp32, those rows equal to
-    target's; the rows where 0 < W < 1 guided towards it with `beta` (module doc). No host
-    reads of device values (a graph's static buffers may be passed)."""
-    from embodied_kv.model.rtc import guidance_weights  # rtc.py imports this module
-
+    target's; the rows where 0 < W < 1 guided towards it with g_k = `gs[k]` at step k
+    (model/rtc.py guidance_weights; module doc), None: not guided. No host reads of device
+    values (a graph's static buffers may be passed)."""
     steps = expert.cfg.denoise_steps
     dt = -1.0 / steps
     held = (weights == 1.0)[:, None]  # [H, 1]
@@ -67,12 +66,10 @@ def sample_prefixed(expert, arena: KVArena, slot: int, prefix_len, noise: torch.
     mod = expert.flow_modulation(steps, x.device)  # that of t_k, kept across actions
     clean = expert.flow_modulation(CLEAN, x.device)  # t = 0 [N, 1, W], kept likewise
     ctx = expert.context(None, x.shape[0], prefix_len, rows, x.device, layer_rows, mod)
-    host_t = [1.0 + k * dt for k in range(steps)]
-    gs = guidance_weights(host_t, beta) if beta > 0 else None
     for k in range(steps):
         step = dataclasses.replace(ctx, modulation=row_modulation(held, clean, mod, k))
         v = expert.velocity_at(x, step, 0, arena, slot, prefix_len).float()
         if gs is not None:
-            v = v - gs[k] * band * (y - (x - host_t[k] * v))
+            v = v - gs[k] * band * (y - (x - (1.0 + k * dt) * v))
         x = torch.where(held, y, x + dt * v)
     return x

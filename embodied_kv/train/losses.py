@@ -200,7 +200,7 @@ def flow_terms(model, out, batch: Batch, generator: torch.Generator, flow_dims: 
         flow = F.mse_loss(v[..., :dims], (noise - actions)[..., :dims])
         real = F.mse_loss(v[..., :REAL], (noise - actions)[..., :REAL]).detach()
         return flow, real, (x_t - tt * v).detach()
-    b, h = actions.shape[:2]
+    h = actions.shape[1]
     d = batch.held.to(actions.device)
     held = torch.arange(h, device=actions.device)[None] < d[:, None]  # [B, H]
     x_t = torch.where(held[..., None], actions, x_t)

@@ -61,7 +61,7 @@ def detoured(scene: Scene, plan: np.ndarray, held: int, rng: np.random.Generator
         here = plan[0].copy()  # the arm held where it is, its gripper as it is
         here[:4] = (a.x, a.y, a.z, 1.0 if a.closed else -1.0)
         rows = [plan[min(i + k, len(plan) - 1)] if i + k >= 0 else here for i in range(held)]
-        return np.stack(rows).copy()
+        return np.stack(rows)  # a new array: `plan` is not changed
     r = DRIFT_XY * np.sqrt(rng.random())
     phi = rng.uniform(0, 2 * np.pi)
     offset = np.array([r * np.cos(phi), r * np.sin(phi), rng.uniform(-DRIFT_Z, DRIFT_Z)])

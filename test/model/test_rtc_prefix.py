@@ -65,20 +65,25 @@ def test_row_modulation_takes_t0_on_held_rows_and_step_k_elsewhere(rig):
 
 def test_the_band_after_the_held_rows_is_error_guided(rig):
     """0 < W < 1 after the held rows: each step's velocity there is v - g_k W (Y - (x - t v))
-    (float64 reference over the same velocities); beta 0 or the hard schedule: the held rows
-    alone, in bytes."""
+    (float64 reference over the same velocities); no g_k (beta 0) or the hard schedule: the
+    held rows alone, in bytes. sample_guided hands its g_k to the prefixed loop."""
     model, arena, slot, plen, rows, noise, target = rig
     h, d, beta = model.cfg.action_horizon, 2, 5.0
+    steps = model.expert.cfg.denoise_steps
+    gs = guidance_weights([1.0 - k / steps for k in range(steps)], beta)
     hard = prefix_weights(h, d, 1, "hard")
     alone = sample_prefixed(model.expert, arena, slot, plen, noise, target, hard, rows)
     assert torch.equal(sample_prefixed(model.expert, arena, slot, plen, noise, target, hard,
-                                       rows, beta=beta), alone)  # fmt: skip
+                                       rows, gs=gs), alone)  # fmt: skip
     w = prefix_weights(h, d, 1, "exp", band=3)
     assert w[:d].eq(1).all() and (w[d : d + 3] > 0).all() and (w[d : d + 3] < 1).all()
     assert not w[d + 3 :].any()
     assert torch.equal(sample_prefixed(model.expert, arena, slot, plen, noise, target, w, rows),
-                       alone)  # beta 0: no band  # fmt: skip
-    got = sample_prefixed(model.expert, arena, slot, plen, noise, target, w, rows, beta=beta)
+                       alone)  # no g_k: no band  # fmt: skip
+    got = sample_prefixed(model.expert, arena, slot, plen, noise, target, w, rows, gs=gs)
+    guided = [sample_guided(model.expert, arena, slot, plen, noise, target, w, b, "prefix", rows)
+              for b in (beta, 0.0)]  # fmt: skip
+    assert torch.equal(guided[0], got) and torch.equal(guided[1], alone)
     # the reference: the same loop in float64 from the expert's velocities at each x
     calls = []
     velocity_at = model.expert.velocity_at
@@ -91,13 +96,11 @@ def test_the_band_after_the_held_rows_is_error_guided(rig):
     model.expert.velocity_at = record
     try:
         again = sample_prefixed(model.expert, arena, slot, plen, noise, target, w, rows,
-                                beta=beta)  # fmt: skip
+                                gs=gs)  # fmt: skip
     finally:
         del model.expert.velocity_at
     assert torch.equal(again, got)
-    steps = model.expert.cfg.denoise_steps
     assert len(calls) == steps
-    gs = guidance_weights([1.0 - k / steps for k in range(steps)], beta)
     held = w[:, None].double() == 1
     band = torch.where(held, 0.0, w[:, None].double())
     y = target.double()
