@@ -248,7 +248,8 @@ def run_profile(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     steps = {}
-    for b in [b for b in module.PROFILE if only is None or b.name in only]:
+    requested = [b for b in module.PROFILE if only is None or b.name in only]
+    for b in [b for b in requested if only is not None or not getattr(b, "on_request", False)]:
         budget = args.timeout or (module.DRY_BUDGET_S if args.dry else b.budget_s)
         cmd = module.command(b, sys.executable, out, args.dry)
         if cmd is None:
@@ -260,6 +261,8 @@ def run_profile(args: argparse.Namespace) -> int:
         run_env = peer_env() if getattr(b, "peer", False) else None
         if getattr(b, "compiles", False):
             run_env = {k: v for k, v in (run_env or os.environ).items() if k != "TRITON_INTERPRET"}
+        elif args.dry:  # a dry step's kernels run on CPU tensors: the interpreter
+            run_env = {**(run_env or os.environ), "TRITON_INTERPRET": "1"}
         if getattr(b, "needs_peer", False) and run_env is None:
             steps[b.name] = {"returncode": None, "seconds": 0, "budget_s": budget,
                              "command": " ".join(cmd[1:]), "skipped": NO_PEER}  # fmt: skip

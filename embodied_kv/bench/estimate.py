@@ -29,7 +29,7 @@ from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
 from embodied_kv.kernels import gemm_residual
-from embodied_kv.kernels.expert_attention import chunk_blocks, split_count
+from embodied_kv.kernels.expert_attention import FUSED_REDUCE, chunk_blocks, split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kernels.prefill_tile import tile_config
 from embodied_kv.model.config import get_preset
@@ -81,10 +81,11 @@ def rope_cost(x, cos, sin) -> tuple[float, float]:
 
 
 def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float, int]]:
-    """The expert attention as the one kernel it is on CUDA (kernels/expert_attention.py,
-    fused reduce): QK^T and PV over prefix + suffix rows for every query; q once, the prefix
-    and suffix K/V once, fp32 partials written and read back by each tile's last split
-    (L2-resident, counted), its reduce FLOPs, out written, the arrival counters."""
+    """The expert attention as CUDA runs it (kernels/expert_attention.py): QK^T and PV over
+    prefix + suffix rows for every query; q once, the prefix and suffix K/V once, fp32
+    partials written and read back (L2-resident, counted), the reduce's FLOPs, out written.
+    Two kernels (the partials, then the reduce) unless FUSED_REDUCE, where each tile's last
+    split reduces (one kernel, plus its arrival counters)."""
     h_len, hq, d = q.shape
     rows = kp.shape[0] + ks.shape[0]
     kv = 2 * rows * kp.shape[1] * d * kp.element_size()
@@ -94,9 +95,13 @@ def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, f
     q_bytes = q.numel() * q.element_size()
     steps = max(chunk_blocks(kp.shape[0], block_n, splits), -(-h_len // block_n))  # or suffix
     counters = 8.0 * -(-h_len // tile_config(q.dtype, hq // kp.shape[1]).block_m) * kp.shape[1]
-    flops = 4.0 * h_len * hq * d * rows + 3.0 * h_len * hq * splits * d
-    moved = 2 * q_bytes + kv + bias.numel() * 4 + 2 * partials + counters
-    return [(flops, moved, steps)]
+    flops = 4.0 * h_len * hq * d * rows
+    reduce_flops = 3.0 * h_len * hq * splits * d
+    if FUSED_REDUCE:
+        moved = 2 * q_bytes + kv + bias.numel() * 4 + 2 * partials + counters
+        return [(flops + reduce_flops, moved, steps)]
+    return [(flops, q_bytes + kv + bias.numel() * 4 + partials, steps),
+            (reduce_flops, partials + q_bytes, splits)]  # fmt: skip
 
 
 def add_layer_norm_cost(x, y, weight, bias, eps) -> tuple[float, float]:

@@ -9,9 +9,11 @@ to the host. No language request runs (narration off), so nothing else shares th
     graphs  the product's path: Engine with CUDA graphs (vision per camera count, step
             buckets, one denoise graph per slot and row bucket), captured at warmup.
             On a CPU the same graph code in emulation (replay = calling the function).
-    graphs_unfused  (on CUDA, or --unfused-row) the same with the expert's layer-step as
-            the reference chain (~13 kernels) instead of its five fused kernels
-            (model/expert_step.py): what the fusion gains, or loses, on this GPU.
+    graphs_alt  (on CUDA, or --unfused-row) the same with the expert's other layer-step:
+            the five fused kernels (model/expert_step.py) where the product runs the chain
+            (~13 kernels; model/expert.py FUSED_LAYER_STEP), or the chain where it runs
+            the fused kernels; rows carry `graphs_fused_ms`, `graphs_unfused_ms` and
+            `unfused_over_fused`: which one wins on this GPU.
     eager   the same engine and weights with graphs off: every op launched from Python,
             as LeRobot's `select_action` runs pi0.5.
 
@@ -54,6 +56,7 @@ from embodied_kv.engine.engine import Engine
 from embodied_kv.kernels import fallback
 from embodied_kv.model.camera_frames import CameraFrames
 from embodied_kv.model.config import get_preset
+from embodied_kv.model.expert import FUSED_LAYER_STEP
 from embodied_kv.model.rtc import GUIDANCE, RTCConfig
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import Observation, build_model
@@ -130,13 +133,18 @@ def measure(
                 continue
             engine = engines["graphs" if name == "graphs_frames" else name]
             model.graphs = engine.graphs  # the engines share the model (and its weights)
-            model.expert.fused_layer_step = name != "graphs_unfused"
+            model.expert.fused_layer_step = layer_step(name)
             engine.observe(camera_frames(obs, frames, r) if name == "graphs_frames" else obs)
             res = engine.cycle(engine.frame * engine.cfg.replan_every)
             prefix = res.prefix_len
             if r >= warmup:
                 samples[name].append(res.action_s * 1e3)
     return {"prefix_len": prefix, "samples": samples, "failed": failed}
+
+
+def layer_step(engine: str) -> bool:
+    """The engine's `fused_layer_step`: the product's, or the other one for graphs_alt."""
+    return FUSED_LAYER_STEP != (engine == "graphs_alt")
 
 
 def run(args, env: harness.Environment) -> dict:
@@ -148,14 +156,14 @@ def run(args, env: harness.Environment) -> dict:
     engines = {"graphs": engine_for(model, mode, 2), "eager": engine_for(model, "off", 2)}
     unfused = args.device == "cuda" or args.unfused_row
     if unfused:
-        engines["graphs_unfused"] = engine_for(model, mode, 2)
+        engines["graphs_alt"] = engine_for(model, mode, 2)
     if args.rtc:  # the guided loop from its graph (docs/rtc.md); guided from its 2nd chunk on
         rtc = RTCConfig(enabled=True, guidance=args.rtc)
         engines["graphs_rtc"] = engine_for(model, mode, 2, rtc)
     obs = synthetic_observation(cfg, 0, INSTRUCTION)
     for name, e in engines.items():
         model.graphs = e.graphs
-        model.expert.fused_layer_step = name != "graphs_unfused"  # captured as it is now
+        model.expert.fused_layer_step = layer_step(name)  # captured as it is now
         e.observe(obs)
         e.warmup()  # captures every graph (configure time); nothing is captured after
         e.begin_episode()
@@ -196,9 +204,12 @@ def run(args, env: harness.Environment) -> dict:
             "captures": engines["graphs"].graphs.captures,
         })  # fmt: skip
         if unfused:
-            u = m["samples"]["graphs_unfused"]
-            rows[-1] |= {"graphs_unfused_ms": harness.Stats.of(u).as_dict(),
-                         "unfused_over_fused": harness.ratio(u, g)}  # fmt: skip
+            a = m["samples"]["graphs_alt"]
+            f, u = (g, a) if FUSED_LAYER_STEP else (a, g)
+            rows[-1] |= {"graphs_fused_ms": harness.Stats.of(f).as_dict(),
+                         "graphs_unfused_ms": harness.Stats.of(u).as_dict(),
+                         "unfused_over_fused": harness.ratio(u, f),
+                         "layer_step": "fused" if FUSED_LAYER_STEP else "unfused"}  # fmt: skip
         ours = g if mode == "cuda" else e  # the product's path: graphs on CUDA, eager on a CPU
         for name in peers:
             p = m["samples"][name]
@@ -228,7 +239,7 @@ def run(args, env: harness.Environment) -> dict:
             row["kernels"] = kernel_profile.top_kernels(model, engines["graphs"], obs)
             harness.progress(env, f"{cams} cameras profiled")
     model.graphs = None
-    model.expert.fused_layer_step = True
+    model.expert.fused_layer_step = FUSED_LAYER_STEP
     peer = None
     if args.peer:
         peer = {"name": args.peer, "pinned": lerobot_peer.PINNED, "unavailable": peer_reason,
@@ -313,11 +324,13 @@ def report(result: dict) -> None:
               + f" (goal <= {result['goal_x_limit']}x)")  # fmt: skip
     for r in rows:
         if "graphs_unfused_ms" in r:
-            ratio = r["unfused_over_fused"]
-            print(f"{r['cameras']} cameras: the expert's layer-step unfused (reference chain) "
-                  f"{r['graphs_unfused_ms']['median']:.2f} ms = {ratio:.2f}x the fused path"
-                  + ("" if ratio >= 1 or result["graph_mode"] == "emulate"
-                     else "  LOSS: the fused layer-step is slower here"))  # fmt: skip
+            ratio, own = r["unfused_over_fused"], r["layer_step"]
+            lost = (ratio < 1) == (own == "fused") and result["graph_mode"] != "emulate"
+            print(f"{r['cameras']} cameras: the expert's layer-step unfused (the chain) "
+                  f"{r['graphs_unfused_ms']['median']:.2f} ms, fused (five kernels) "
+                  f"{r['graphs_fused_ms']['median']:.2f} ms: unfused = {ratio:.2f}x fused; the "
+                  f"product runs {own}" + ("  LOSS: the other layer-step is faster here"
+                                           if lost else ""))  # fmt: skip
         if "graphs_frames_ms" in r:
             h, w = r["frames_hw"]
             print(f"{r['cameras']} cameras: camera frames ({h}x{w} uint8, converted on the "
@@ -368,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=0, help="rounds per camera count (0: 10 / 40)")
     p.add_argument("--layers", type=int, default=0, help="depth override (0: the preset's)")
     p.add_argument("--unfused-row", action="store_true",
-                   help="add the graphs engine with the expert's layer-step unfused (on by "
-                        "default on CUDA; on a CPU both run the same reference chain)")  # fmt: skip
+                   help="add the graphs engine with the expert's other layer-step (fused "
+                        "kernels or the chain; on by default on CUDA; on a CPU both run the "
+                        "same reference chain)")  # fmt: skip
     p.add_argument(
         "--breakdown", action="store_true",
         help="then time each region of one action on the graphs engine (a separate pass)",

@@ -7,8 +7,9 @@ under the bf16 precision policy, model/precision.py). For each camera count and 
 same synthetic observation and noise through
 
     fp32        the fp32 model (the reference)
-    bf16        the bf16 model as the product runs it: the expert's fused layer-step
-                (model/expert_step.py), SigLIP's fast encoder (model/vision_fast.py)
+    bf16        the bf16 model through the fast path: the expert's fused layer-step
+                (model/expert_step.py, whatever model/expert.py FUSED_LAYER_STEP picks for
+                the product), SigLIP's fast encoder (model/vision_fast.py)
     bf16_ref    the bf16 model through the reference chain: the expert's unfused layer
                 (torch ops, or its unfused kernels), HF's eager SigLIP forward
 
@@ -68,6 +69,7 @@ def run(args, env: harness.Environment) -> dict:
     m32 = build_model(cfg, args.device, torch.float32)
     m16 = build_model(cfg, args.device, torch.bfloat16)
     m16.load_state_dict(m32.state_dict())  # the same weights, cast as the policy keeps them
+    m16.expert.fused_layer_step = True  # the fused kernels: the arithmetic that differs
     harness.progress(env, "fp32 and bf16 models built")
     seeds = range(args.seeds or (2 if args.quick else 4))
     cams_list = [c for c in range(1, cfg.num_cameras + 1) if args.preset != "pi05" or c >= 2]

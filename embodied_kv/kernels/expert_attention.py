@@ -4,8 +4,9 @@ the whole prefix and each other, bidirectionally).
 
 In torch (`expert_attention_ref`) this is 10 kernels per layer and Euler step (a permuted
 copy of q, two score products, a concatenation, the masked scale, softmax, a cast, two
-value products, a permuted copy back): 1,800 per action at pi05. Here it is one launch
-(`fused_reduce`; two with decode_splitk's separate reduce).
+value products, a permuted copy back): 1,800 per action at pi05. Here it is two launches,
+the split partials and decode_splitk's reduce (`FUSED_REDUCE`: one launch whose last split
+per tile reduces measured 2.9x slower on an H200, so it is kept as an option).
 
 Grid (cdiv(H, BLOCK_M), Hkv, NUM_SPLITS), flash-decoding style: program (b, h, j) takes
 suffix tokens [b*BLOCK_M, (b+1)*BLOCK_M) x the GROUP query heads of KV head h as one
@@ -78,6 +79,13 @@ def expert_attention_ref(q, kp, vp, ks, vs, scale: float, bias: torch.Tensor) ->
 
 
 BLOCKS_PER_SPLIT = 4  # key blocks of the prefix per program (BLOCK_N 16: 64 rows)
+# The reduce as its own launch (decode_splitk's), not by each tile's last split: timed on an
+# H200 (bench/kernel_sweep.py, 2026-12-04, pi05 bf16, a 704-row bucket, 18 layers in one
+# graph) the fused reduce took 39.4 us a call against 13.7 us for the two launches (16
+# splits; 16.6 / 17.2 / 19.8 us at 1 / 2 / 8 key blocks per split, 8 warps or BLOCK_N 32
+# slower): the 7 tiles' last programs each walk 16 partials of 64 x 256 fp32 alone, after
+# the rest of the grid has finished. torch's chain: 30.8 us.
+FUSED_REDUCE = False
 
 
 def split_count(n_prefix: int, block_n: int) -> int:
@@ -314,7 +322,7 @@ def check_workspace(work, h_len: int, hq: int, hkv: int, d: int, n_prefix: int, 
 
 
 def plan_expert_attention(
-    q, kp, vp, ks, vs, scale: float, bias, out, work=None, fused_reduce: bool = True
+    q, kp, vp, ks, vs, scale: float, bias, out, work=None, fused_reduce: bool = FUSED_REDUCE
 ) -> list[Launch]:
     """The launches of an expert attention call (inputs already validated; `meta` tensors
     work): one kernel whose last split of each tile reduces (fused_reduce), else the split
@@ -355,7 +363,7 @@ def plan_expert_attention(
 
 
 def expert_attention_kernel(
-    q, kp, vp, ks, vs, scale: float, bias, work=None, fused_reduce: bool = True
+    q, kp, vp, ks, vs, scale: float, bias, work=None, fused_reduce: bool = FUSED_REDUCE
 ) -> torch.Tensor:
     """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); `work`: an
     `expert_workspace` kept by the caller, else one is allocated per call."""
@@ -389,7 +397,7 @@ def expert_attention_kernel(
 
 
 def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None) -> torch.Tensor:
-    """Dispatch: the Triton kernel (one launch, fused reduce) on CUDA, the reference
+    """Dispatch: the Triton kernel (partials + reduce, FUSED_REDUCE) on CUDA, the reference
     elsewhere. `work`: an `expert_workspace` for these shapes, reused across calls."""
     if use_kernel(q, kp, vp, ks, vs):
         out = try_kernel("expert_attention", expert_attention_kernel, q, kp, vp, ks, vs, scale,

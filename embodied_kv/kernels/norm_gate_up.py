@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.gelu_gate import gelu_gate_ref
 from embodied_kv.kernels.norm_prologue import (
-    BLOCK_K,
     PI05_EXPERT,
     check_common,
     numerics,
+    pick_block_k,
     pick_block_m,
     tag,
 )
@@ -33,6 +33,10 @@ from embodied_kv.kernels.rms_norm import rms_norm_ref
 from embodied_kv.kernels.triton_base import Launch, pow2, tl, triton, use_kernel
 
 GATE_BLOCK_N = 32  # gate (and up) columns per program: pi05 F = 4096 -> 128 programs
+# K per step, timed on an H200 (bench/kernel_sweep.py, 2026-12-04, pi05 bf16, 18 layers from
+# HBM): 128 -> 20.7 us a call, against 27.6 at 64 (before) and 21.2 at 256; 32 columns beat
+# 16 and 64 at every K, 4 warps beat 8. fp32 keeps BLOCK_K (pick_block_k).
+GATE_BLOCK_K = 128
 
 
 def norm_gate_up_ref(
@@ -106,16 +110,18 @@ def plan_norm_gate_up(
     hidden = out.shape[1]
     block_m = pick_block_m(n)
     block_n = min(GATE_BLOCK_N, pow2(hidden))
+    block_k = pick_block_k(h.dtype, GATE_BLOCK_K, w)
     strides = (h.stride(0), w_gate_up.stride(0))
     return Launch(
-        name=f"norm_gate_up {tag(h)} F={hidden} block_m={block_m} block_n={block_n}",
+        name=f"norm_gate_up {tag(h)} F={hidden} block_m={block_m} block_n={block_n} "
+        f"block_k={block_k}",
         kernel=_norm_gate_up_fwd,
         grid=(-(-n // block_m), -(-hidden // block_n)),
         args=(h, scale1, shift, w_gate_up, out, n, w, hidden, eps, *strides),
         constexprs={
             "BLOCK_M": block_m,
             "BLOCK_N": block_n,
-            "BLOCK_K": BLOCK_K,
+            "BLOCK_K": block_k,
             **numerics(h.dtype),
         },
         num_warps=4,

@@ -141,6 +141,12 @@ def numerics(dtype: torch.dtype) -> dict[str, object]:
     }
 
 
+def pick_block_k(dtype: torch.dtype, tuned: int, width: int) -> int:
+    """K columns per step: `tuned` (the kernel's, timed on an H200 for 16-bit dtypes) or
+    BLOCK_K for fp32 (ieee dots: twice the shared memory per tile), at most W rounded up."""
+    return min(BLOCK_K if dtype == torch.float32 else tuned, max(BLOCK_K, pow2(width)))
+
+
 def pick_block_m(n: int) -> int:
     return min(MAX_BLOCK_M, pow2(n))
 

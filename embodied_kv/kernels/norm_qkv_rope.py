@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.norm_prologue import (
-    BLOCK_K,
     PI05_EXPERT,
     check_common,
     numerics,
+    pick_block_k,
     pick_block_m,
     tag,
 )
@@ -34,7 +34,13 @@ from embodied_kv.kernels.rms_norm import rms_norm_ref
 from embodied_kv.kernels.rope import rope_ref
 from embodied_kv.kernels.triton_base import Launch, pow2, tl, triton, use_kernel
 
-QKV_BLOCK_H = 16  # columns of each half-head per program: pi05 -> 10 heads x 8 = 80 programs
+# Tiles timed on an H200 (bench/kernel_sweep.py, 2026-12-04, pi05, 18 layers' weights from
+# HBM in one graph), bf16, 4 warps, 3 stages: K 128 x 16 columns of each half-head (10 heads
+# x 8 = 80 programs) 20.0 us a call, against 26.2 us at K 64 x 16 (before); K 256 x 32 was
+# 19.5 us but spills (255 registers, 216 spill stores at sm_90, triton 3.9 offline compile),
+# K 256 x 16 20.5 us; 8 warps lost everywhere. fp32 keeps K 64 (pick_block_k).
+QKV_BLOCK_K = 128
+QKV_BLOCK_H = 16
 
 
 def norm_qkv_rope_ref(
@@ -135,11 +141,12 @@ def plan_norm_qkv_rope(
     n, w = h.shape
     heads, d = out.shape[1], out.shape[2]
     block_h = min(QKV_BLOCK_H, pow2(d // 2))
+    block_k = pick_block_k(h.dtype, QKV_BLOCK_K, w)
     strides = (h.stride(0), w_qkv.stride(0), cos.stride(0), out.stride(0))
     block_m = pick_block_m(n)
     return Launch(
         name=f"norm_qkv_rope {tag(h)} heads={rope_heads}+{heads - rope_heads} D={d} "
-        f"block_m={block_m} block_h={block_h}",
+        f"block_m={block_m} block_h={block_h} block_k={block_k}",
         kernel=_norm_qkv_rope_fwd,
         grid=(-(-n // block_m), heads * -(-(d // 2) // block_h)),
         args=(h, scale1, shift, w_qkv, cos, sin, out, n, w, rope_heads, eps, *strides),
@@ -147,7 +154,7 @@ def plan_norm_qkv_rope(
             "HEAD_DIM": d,
             "BLOCK_M": block_m,
             "BLOCK_H": block_h,
-            "BLOCK_K": BLOCK_K,
+            "BLOCK_K": block_k,
             **numerics(h.dtype),
         },
         num_warps=4,

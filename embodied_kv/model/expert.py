@@ -27,6 +27,13 @@ from embodied_kv.model.flow_constants import FlowModulationCache
 from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
 from embodied_kv.storage.arena import KVArena
 
+# The expert's layer-step on CUDA: the chain (cuBLAS GEMMs over the fused q/k/v and gate/up
+# weights, the norm / RoPE / GELU-gate kernels, the split attention) or the five fused
+# kernels of model/expert_step.py. An H200 ran the chain faster (bench latency --quick, pi05,
+# 2 cameras, 2026-12-04): 20.11 ms an action against 21.39 ms fused with the tiles tuned
+# (bench/kernel_sweep.py), 25.23 against 29.97 ms before. `bench latency` times the other
+# beside it (`graphs_fused_ms` / `graphs_unfused_ms`) and says LOSS if the default loses.
+FUSED_LAYER_STEP = False
 
 class ActionExpert(nn.Module):
     def __init__(self, cfg: ModelConfig, max_pos: int):
@@ -43,8 +50,8 @@ class ActionExpert(nn.Module):
         self.scale = e.head_dim**-0.5
         self.flow_mods = FlowModulationCache()  # model/flow_constants.py: once per weights
         self.workspaces = WorkspaceCache()  # split-K buffers of the fused layer-step (CUDA)
-        # False: CUDA runs the reference chain too (bench latency's unfused row, a fallback)
-        self.fused_layer_step = True
+        # True: CUDA runs the five fused kernels (model/expert_step.py); False: the chain
+        self.fused_layer_step = FUSED_LAYER_STEP
 
     @property
     def dtype(self) -> torch.dtype:

@@ -27,6 +27,7 @@ def test_bench_precision_json(tmp_path, capsys):
 
 def test_reference_chain_is_switched_back():
     model = build_model(get_preset("tiny"), "cpu", torch.bfloat16)
+    model.expert.fused_layer_step = True
     images = torch.rand(2, 3, 32, 32) * 2 - 1
     fast = model.vision(images)
     with precision.reference_chain(model):

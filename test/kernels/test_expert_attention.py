@@ -133,14 +133,17 @@ def test_fused_reduce_matches_two_kernels_bytewise(kernel, dtype, case, heads):
     torch.testing.assert_close(fused.float(), exact, atol=tol, rtol=tol)
 
 
-def test_fused_is_one_launch():
+def test_fused_is_one_launch_and_the_default_is_the_measured_faster_two():
     meta = {"dtype": torch.bfloat16, "device": "meta"}
     q, kv = torch.empty(50, 8, 256, **meta), torch.empty(1024, 1, 256, **meta)
     bias = torch.empty(1074, device="meta")
-    fused = plan_expert_attention(q, kv, kv, q[:, :1], q[:, :1], 0.0625, bias, q)
-    two = plan_expert_attention(q, kv, kv, q[:, :1], q[:, :1], 0.0625, bias, q, None, False)
+    args = (q, kv, kv, q[:, :1], q[:, :1], 0.0625, bias, q, None)
+    fused = plan_expert_attention(*args, True)
+    two = plan_expert_attention(*args, False)
     assert [x.name.split()[0] for x in fused] == ["expert_attention_fused"]
     assert [x.name.split()[0] for x in two] == ["expert_attention", "expert_reduce"]
+    # an H200 timed the fused reduce 2.9x slower at pi05 (kernels/expert_attention.py)
+    assert [x.name for x in plan_expert_attention(*args)] == [x.name for x in two]
 
 
 def test_workspace_of_another_shape_is_refused(kernel):

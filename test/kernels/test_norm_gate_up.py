@@ -72,4 +72,5 @@ def test_pi05_launch_covers_the_expert_step():
     """One launch at pi05 expert shapes; arguments in the kernel's order."""
     (gate_up,) = pi05_launches()
     assert gate_up.grid == (1, 4096 // 32)
+    assert gate_up.constexprs["BLOCK_K"] == 128  # bf16 (an H200's fastest); fp32 keeps 64
     assert_args_in_kernel_order(gate_up)

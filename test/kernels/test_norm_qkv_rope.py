@@ -90,5 +90,8 @@ def test_bad_shapes_are_refused(kernel):
 def test_pi05_launch_covers_the_expert_step():
     """One launch at pi05 expert shapes; arguments in the kernel's order."""
     (qkv,) = pi05_launches()
-    assert qkv.grid == (1, 10 * 8)  # 50 rows in one 64-row block; 10 heads x 128 / 16
+    # 50 rows in one 64-row block; 10 heads x 128 / 16; K 128 (bf16: an H200's fastest of the
+    # tiles that do not spill)
+    assert qkv.grid == (1, 10 * 8)
+    assert (qkv.constexprs["BLOCK_H"], qkv.constexprs["BLOCK_K"]) == (16, 128)
     assert_args_in_kernel_order(qkv)

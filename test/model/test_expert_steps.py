@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from embodied_kv.bench.estimate import H100, cuda_kernels
 from embodied_kv.bench.kernel_census import Census, Roofline
+from embodied_kv.kernels.expert_attention import FUSED_REDUCE
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.layers import Rope
@@ -23,8 +24,9 @@ CHUNK_ATOL = 1e-4
 # + reduce), 13 with q/k/v and gate/up one GEMM each (model/fused.py), 6 with the layer-step's
 # fused kernels (model/expert_step.py: norm->q/k/v+RoPE, attention + its reduce, o_proj +
 # gated residual, norm->gate/up+GELU-gate, down + gated residual), 5 with the attention's reduce
-# inside (issue 33 asks <= 5).
-MAX_KERNELS_PER_LAYER_STEP = 5
+# inside (issue 33 asked <= 5), 6 again since an H200 timed that reduce inside at 39.4 us a
+# call against 13.7 us for partials + reduce (kernels/expert_attention.py FUSED_REDUCE).
+MAX_KERNELS_PER_LAYER_STEP = 5 if FUSED_REDUCE else 6
 
 
 def prefilled(m, seed=3):
@@ -116,6 +118,7 @@ def test_denoise_kernels_per_layer_step_stay_few():
     for depth in (1, 2):
         m = build_model(get_preset("tiny", layers=depth), dtype=torch.bfloat16)
         fuse_projections(m)  # as on CUDA
+        m.expert.fused_layer_step = True  # the five-kernel path (CUDA's default runs the chain)
         arena, slot, n = prefilled(m)
         # warm-up (as graph capture is): what is computed once per weights load (the flow
         # modulation table, model/flow_constants.py) is not part of an action

@@ -1,0 +1,369 @@
+"""The expert layer-step's kernels at pi05 shapes over their tile configurations, beside the
+ops of the chain each one replaces: which configuration, if any, wins on this GPU.
+
+    python -m embodied_kv.bench.kernel_sweep --json PATH [--budget-s 200] [--dry]
+
+Why: the 2026-12-04 H200 profile (bench/results/2026-12-04-nvidia-h200/) measured the fused
+layer-step slower than the unfused chain (29.97 against 25.23 ms a pi05 action) with
+norm_qkv_rope 21 us, norm_gate_up 23 us, linear_gated_residual 12 us and the expert
+attention 39 us a call, against weight-read floors of 1-4 us: the configurations were
+reasoned, never timed. Each candidate here is timed as the denoise runs it: 18 layers'
+weights (and prefix K/V) rotated inside one captured CUDA graph, so the weights come from
+HBM, not L2; median of replays, per call. Each is first checked against an fp32 run of the
+same inputs (poisoned output, relative error; a candidate over 2x the chain's bf16 error is
+marked wrong and not ranked). The chain is the unfused layer-step's ops as CUDA runs them
+(the norm, RoPE and GELU-gate Triton kernels, cuBLAS GEMMs over the fused weights, torch's
+addcmul); for the attention, which both layer-steps share, torch's reference ops. Rows
+print as they finish and the JSON is rewritten after each, so a run killed at its budget
+keeps what it measured; `--budget-s` stops adding candidates past that many seconds.
+
+`--dry`: tiny shapes on the CPU, one candidate per kernel under TRITON_INTERPRET=1, checks
+only (the CI test), so the device call cannot fail on what the CPU could have shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from embodied_kv.kernels import expert_attention as attn_k
+from embodied_kv.kernels import gemm_residual as res_k
+from embodied_kv.kernels import norm_gate_up as gate_k
+from embodied_kv.kernels import norm_qkv_rope as qkv_k
+from embodied_kv.kernels.gelu_gate import gelu_gate, gelu_gate_ref
+from embodied_kv.kernels.prefill_tile import TileConfig
+from embodied_kv.kernels.rms_norm import rms_norm, rms_norm_ref
+from embodied_kv.kernels.rope import rope, rope_ref
+
+LAYERS = 18  # pi05's expert depth: one weight set per layer in the graph
+PI05 = {"n": 50, "w": 1024, "hq": 8, "hkv": 1, "d": 256, "f": 4096, "prefix": 663, "bucket": 704}
+TINY = {"n": 5, "w": 64, "hq": 2, "hkv": 1, "d": 16, "f": 128, "prefix": 21, "bucket": 32}
+EPS = 1e-6
+
+
+@contextmanager
+def patched(module, **values):
+    """Module constants set for the block (the plan functions read them at call time)."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def time_graph(calls, repeats: int) -> float:
+    """us per call: `calls` (one closure per layer) captured in one graph, replayed."""
+    for c in calls:  # compile, allocate, warm
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def rand(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+
+def layer_inputs(s: dict, dtype, device, layers: int) -> list[dict]:
+    n, w, hq, hkv, d, f = (s[k] for k in ("n", "w", "hq", "hkv", "d", "f"))
+    heads = hq + 2 * hkv
+    pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d))
+    ang = torch.cat([pos * inv, pos * inv], dim=-1)[:, None, :]
+    bias = torch.zeros(s["bucket"] + n, device=device)
+    bias[s["prefix"] : s["bucket"]] = float("-inf")
+    out = []
+    for _ in range(layers):
+        out.append({
+            "h": rand(n, w, dtype=dtype, device=device),
+            "scale1": 1 + 0.1 * torch.randn(w, device=device),
+            "shift": 0.1 * torch.randn(w, device=device),
+            "w_qkv": rand(heads * d, w, dtype=dtype, device=device, scale=w ** -0.5),
+            "w_gu": rand(2 * f, w, dtype=dtype, device=device, scale=w ** -0.5),
+            "cos": ang.cos().expand(n, 1, d).contiguous(),
+            "sin": ang.sin().expand(n, 1, d).contiguous(),
+            "x_o": rand(n, hq * d, dtype=dtype, device=device),
+            "w_o": rand(w, hq * d, dtype=dtype, device=device, scale=(hq * d) ** -0.5),
+            "x_d": rand(n, f, dtype=dtype, device=device),
+            "w_d": rand(w, f, dtype=dtype, device=device, scale=f ** -0.5),
+            "gate": rand(w, dtype=dtype, device=device, scale=0.5),
+            "q": rand(n, hq, d, dtype=dtype, device=device),
+            "kp": rand(s["bucket"], hkv, d, dtype=dtype, device=device),
+            "vp": rand(s["bucket"], hkv, d, dtype=dtype, device=device),
+            "ks": rand(n, hkv, d, dtype=dtype, device=device),
+            "vs": rand(n, hkv, d, dtype=dtype, device=device),
+            "bias": bias,
+        })  # fmt: skip
+    return out
+
+
+# ---- the chains: what the unfused layer-step runs on CUDA, op for op (the norm, RoPE and
+# GELU-gate dispatchers: their Triton kernels there; cuBLAS GEMMs over the fused weights),
+# and the same ops' torch references on fp32 inputs (the error's reference)
+
+
+def qkv_chain(L, s, ref=False):
+    n, d, hq, hkv = s["n"], s["d"], s["hq"], s["hkv"]
+    norm, rot = (rms_norm_ref, rope_ref) if ref else (rms_norm, rope)
+    xn = norm(L["h"], L["scale1"], EPS, L["shift"])
+    q, k, v = F.linear(xn, L["w_qkv"]).view(n, -1, d).split([hq, hkv, hkv], dim=1)
+    return torch.cat([rot(q, L["cos"], L["sin"]), rot(k, L["cos"], L["sin"]), v], 1)
+
+
+def gate_chain(L, s, ref=False):
+    norm, act = (rms_norm_ref, gelu_gate_ref) if ref else (rms_norm, gelu_gate)
+    xn = norm(L["h"], L["scale1"], EPS, L["shift"])
+    g, u = F.linear(xn, L["w_gu"]).split(s["f"], dim=-1)
+    return act(g, u)
+
+
+def res_chain(L, k):
+    x, w = (L["x_o"], L["w_o"]) if k == "o" else (L["x_d"], L["w_d"])
+    return torch.addcmul(L["h"], F.linear(x, w), L["gate"])
+
+
+def attn_chain(L, s):
+    """The torch reference: the chain's attention is the same kernel as the fused path's."""
+    return attn_k.expert_attention_ref(L["q"], L["kp"], L["vp"], L["ks"], L["vs"],
+                                       s["d"] ** -0.5, L["bias"])  # fmt: skip
+
+
+def attn_sdpa(L, s):
+    """torch's SDPA over the concatenated K/V (cuDNN / flash / efficient, as torch picks)."""
+    k = torch.cat([L["kp"], L["ks"]]).permute(1, 0, 2)[None]
+    v = torch.cat([L["vp"], L["vs"]]).permute(1, 0, 2)[None]
+    q = L["q"].permute(1, 0, 2)[None]
+    mask = (L["bias"] == 0)[None, None, None, :]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return o[0].permute(1, 0, 2)
+
+
+def fp32(L):
+    return {k: (v.float() if v.is_floating_point() else v) for k, v in L.items()}
+
+
+# ---- the candidates: (name, config dict, make(L) -> closure returning the output)
+
+
+def qkv_candidates(s, dry):
+    grid = [(64, 16, 4, 3)] if dry else [
+        (bk, bh, nw, ns) for bk in (256, 128, 64) for bh in (16, 32) for nw, ns in
+        ((4, 3), (8, 3), (4, 4))]  # fmt: skip
+    for bk, bh, nw, ns in grid:
+        def make(L, bk=bk, bh=bh, nw=nw, ns=ns):
+            heads = s["hq"] + 2 * s["hkv"]
+            out = torch.empty(s["n"], heads, s["d"], dtype=L["h"].dtype, device=L["h"].device)
+            with patched(qkv_k, QKV_BLOCK_K=bk, QKV_BLOCK_H=bh):
+                launch = qkv_k.plan_norm_qkv_rope(L["h"], L["scale1"], L["shift"], EPS,
+                                                  L["w_qkv"], s["hq"] + s["hkv"], L["cos"],
+                                                  L["sin"], out)  # fmt: skip
+            launch = dataclasses.replace(launch, num_warps=nw, num_stages=ns)
+            return out, launch.run
+        yield f"block_k={bk} block_h={bh} warps={nw} stages={ns}", make
+
+
+def gate_candidates(s, dry):
+    grid = [(64, 32, 4, 3)] if dry else [
+        (bk, bn, nw, ns) for bk in (256, 128, 64) for bn in (32, 64, 16) for nw, ns in
+        ((4, 3), (8, 3))]  # fmt: skip
+    for bk, bn, nw, ns in grid:
+        def make(L, bk=bk, bn=bn, nw=nw, ns=ns):
+            out = torch.empty(s["n"], s["f"], dtype=L["h"].dtype, device=L["h"].device)
+            with patched(gate_k, GATE_BLOCK_K=bk, GATE_BLOCK_N=bn):
+                launch = gate_k.plan_norm_gate_up(L["h"], L["scale1"], L["shift"], EPS,
+                                                  L["w_gu"], out)  # fmt: skip
+            launch = dataclasses.replace(launch, num_warps=nw, num_stages=ns)
+            return out, launch.run
+        yield f"block_k={bk} block_n={bn} warps={nw} stages={ns}", make
+
+
+def res_candidates(s, dry, which):
+    grid = [(64, 64, 2, 4, 3)] if dry else [
+        (bn, bk, sk, nw, ns) for bn in (32, 64) for bk in (64, 128) for sk in (4, 8, 16)
+        for nw, ns in ((4, 3),)]  # fmt: skip
+    for bn, bk, sk, nw, ns in grid:
+        def make(L, bn=bn, bk=bk, sk=sk, nw=nw, ns=ns):
+            x, w = (L["x_o"], L["w_o"]) if which == "o" else (L["x_d"], L["w_d"])
+            cfg = res_k.GemmConfig(min(64, max(16, 1 << (s["n"] - 1).bit_length())), bn, bk,
+                                   sk, nw, ns)  # fmt: skip
+            work = res_k.workspace(s["n"], s["w"], cfg, L["h"].device)
+            out = torch.empty_like(L["h"])
+            launches = res_k.plan_linear_gated_residual(L["h"], x, w, L["gate"], out, work, cfg)
+            return out, lambda: [la.run() for la in launches]
+        yield f"block_n={bn} block_k={bk} split_k={sk} warps={nw} stages={ns}", make
+
+
+def attn_candidates(s, dry):
+    grid = [(4, True, 16, 4, 2)] if dry else [
+        (bps, fused, 16, 4, 2) for bps in (1, 2, 4, 8) for fused in (True, False)
+    ] + [(2, False, 16, 8, 2), (2, False, 16, 4, 3), (4, False, 32, 8, 2)]  # fmt: skip
+    for bps, fused, bn, nw, ns in grid:
+        def make(L, bps=bps, fused=fused, bn=bn, nw=nw, ns=ns):
+            base = attn_k.tile_config(L["q"].dtype, s["hq"] // s["hkv"])
+            cfg = TileConfig(base.block_m, base.group_pad, bn, nw, ns)
+            with patched(attn_k, BLOCKS_PER_SPLIT=bps, tile_config=lambda *a: cfg):
+                work = attn_k.expert_workspace(s["n"], s["hq"], s["hkv"], s["d"], s["bucket"],
+                                               L["q"].dtype, L["q"].device)  # fmt: skip
+                out = torch.empty_like(L["q"])
+                launches = attn_k.plan_expert_attention(L["q"], L["kp"], L["vp"], L["ks"],
+                                                        L["vs"], s["d"] ** -0.5, L["bias"], out,
+                                                        work, fused)  # fmt: skip
+            return out, lambda: [la.run() for la in launches]
+        label = f"blocks_per_split={bps} fused_reduce={fused} block_n={bn} warps={nw}"
+        yield f"{label} stages={ns}", make
+
+
+def kernels(s):
+    """(kernel, the chain, fp32 reference, output of a candidate -> comparable, candidates)."""
+    n = s["n"]
+    flat = lambda o: o.reshape(n, -1)  # noqa: E731
+    return [
+        ("expert_attention", lambda L: flat(attn_chain(L, s)),
+         lambda L: flat(attn_chain(fp32(L), s)), flat, lambda dry: attn_candidates(s, dry)),
+        ("norm_qkv_rope", lambda L: flat(qkv_chain(L, s)),
+         lambda L: flat(qkv_chain(fp32(L), s, True)), flat, lambda dry: qkv_candidates(s, dry)),
+        ("norm_gate_up", lambda L: gate_chain(L, s), lambda L: gate_chain(fp32(L), s, True),
+         lambda o: o, lambda dry: gate_candidates(s, dry)),
+        ("gated_residual_o", lambda L: res_chain(L, "o"), lambda L: res_chain(fp32(L), "o"),
+         lambda o: o, lambda dry: res_candidates(s, dry, "o")),
+        ("gated_residual_down", lambda L: res_chain(L, "d"), lambda L: res_chain(fp32(L), "d"),
+         lambda o: o, lambda dry: res_candidates(s, dry, "d")),
+    ]  # fmt: skip
+
+
+def run(dry: bool, budget_s: float, repeats: int, json_path: Path | None) -> dict:
+    cuda = torch.cuda.is_available() and not dry
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    s = TINY if dry else PI05
+    torch.manual_seed(0)
+    layers = layer_inputs(s, dtype, device, LAYERS if cuda else 1)
+    t0 = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype),
+              "shapes": s, "layers": len(layers), "kernels": {}}  # fmt: skip
+
+    def save():
+        if json_path:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(result, indent=1))
+
+    extra = {"expert_attention": [("torch_sdpa", attn_sdpa)]}
+    todo = kernels(s)
+    for i, (name, chain, ref_fn, view, candidates) in enumerate(todo):
+        # each kernel its share of what is left of the budget
+        deadline = time.perf_counter() + (budget_s - (time.perf_counter() - t0)) / (len(todo) - i)
+        ref = ref_fn(layers[0])
+        chain_err = rel_err(chain(layers[0]), ref)
+        row = {"chain_err": chain_err, "candidates": []}
+        result["kernels"][name] = row
+        if cuda:
+            try:
+                row["chain_us"] = time_graph([lambda L=L, c=chain: c(L) for L in layers], repeats)
+            except Exception as e:  # noqa: BLE001 - recorded; the candidates still run
+                row["chain_us"], row["chain_error"] = float("nan"), repr(e)[:300]
+            print(f"{name:20s} chain {row['chain_us']:8.2f} us  err {chain_err:.2e}",
+                  flush=True)
+            for label, fn in extra.get(name, []):
+                try:
+                    err = rel_err(view(fn(layers[0])), ref)
+                    us = time_graph([lambda L=L, f=fn: f(L) for L in layers], repeats)
+                    row["candidates"].append({"config": label, "us": us, "err": err,
+                                              "ok": err <= max(2 * chain_err, 1e-5)})
+                    print(f"{name:20s} {label:58s} {us:8.2f} us  err {err:.2e}", flush=True)
+                except Exception as e:  # noqa: BLE001 - a baseline torch may not support
+                    row["candidates"].append({"config": label, "error": repr(e)[:300]})
+        for label, make in candidates(dry):
+            if time.perf_counter() > deadline:
+                row["stopped"] = "its share of the budget reached"
+                break
+            cand = {"config": label}
+            try:
+                out, call = make(layers[0])
+                out.fill_(float("nan"))
+                call()
+                cand["err"] = rel_err(view(out), ref)
+                cand["ok"] = cand["err"] <= max(2 * chain_err, 1e-5)
+                if cuda and cand["ok"]:
+                    made = [make(L) for L in layers]
+                    cand["us"] = time_graph([c for _, c in made], repeats)
+            except Exception as e:  # noqa: BLE001 - a config may not compile; record why
+                cand["error"] = repr(e)[:300]
+            row["candidates"].append(cand)
+            print(f"{name:20s} {label:58s} {cand.get('us', float('nan')):8.2f} us  "
+                  f"err {cand.get('err', float('nan')):.2e} {cand.get('error', '')[:80]}",
+                  flush=True)  # fmt: skip
+            save()
+        timed = [c for c in row["candidates"] if "us" in c and c.get("ok", True)]
+        if timed:
+            best = min(timed, key=lambda c: c["us"])
+            row["best"] = best
+            if cuda:
+                row["best_over_chain"] = row["chain_us"] / best["us"]
+        save()
+    result["seconds"] = time.perf_counter() - t0
+    save()
+    return result
+
+
+def report(result: dict) -> None:
+    print(f"\nkernel sweep on {result['device']} ({result['dtype']}), {result['layers']} layers")
+    print(f"{'kernel':20s} {'chain_us':>9s} {'best_us':>8s} {'x':>6s}  best config")
+    for name, row in result["kernels"].items():
+        best = row.get("best", {})
+        ratio = row.get("best_over_chain")
+        flag = "" if ratio is None or ratio >= 1 else "  LOSS: the chain is faster"
+        print(f"{name:20s} {row.get('chain_us', float('nan')):9.2f} "
+              f"{best.get('us', float('nan')):8.2f} {ratio or float('nan'):6.2f}  "
+              f"{best.get('config', '-')}{flag}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", type=Path)
+    p.add_argument("--dry", action="store_true", help="tiny shapes on the CPU, checks only")
+    p.add_argument("--budget-s", type=float, default=200.0)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    if args.dry and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--dry runs the kernels under TRITON_INTERPRET=1 (set it)")
+    result = run(args.dry, args.budget_s, args.repeats, args.json)
+    report(result)
+    bad = [n for n, r in result["kernels"].items() if not any(c.get("ok") for c in r["candidates"])]
+    if bad:
+        print(f"FAIL: no candidate matched the reference for {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
