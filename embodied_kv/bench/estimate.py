@@ -32,6 +32,7 @@ from embodied_kv.kernels import gemm_residual
 from embodied_kv.kernels.expert_attention import FUSED_REDUCE, chunk_blocks, split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK
 from embodied_kv.kernels.prefill_tile import tile_config
+from embodied_kv.kernels.rope import adjacent_heads
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.synthetic import synthetic_observation
@@ -78,6 +79,25 @@ def norm_cost(x, mult, eps, shift=None, add_one=False) -> tuple[float, float]:
 def rope_cost(x, cos, sin) -> tuple[float, float]:
     """The RoPE kernel (kernels/rope.py): x read once, written once, the two table rows."""
     return 3.0 * x.numel(), 2.0 * x.numel() * x.element_size() + 2 * cos.numel() * 4
+
+
+def rope_pair_cost(q, k, cos, sin) -> tuple[float, float] | list[tuple[float, float]]:
+    """kernels/rope.py rope_pair: one kernel over q and k where they are adjacent heads of
+    the fused q/k/v output (as on CUDA with model/fused.py), else one each."""
+    if adjacent_heads(q, k):
+        both = torch.empty(q.shape[0], q.shape[1] + k.shape[1], q.shape[2], device="meta",
+                           dtype=q.dtype)  # fmt: skip
+        return rope_cost(both, cos, sin)
+    return [rope_cost(q, cos, sin), rope_cost(k, cos, sin)]
+
+
+def gated_rms_norm_cost(h, y, gate, scale1, shift, eps) -> tuple | list:
+    """kernels/gated_rms_norm.py: h and y read once, the stream and the norm written once;
+    with a per-row modulation (CUDA runs the references there) addcmul, then the norm."""
+    e, w = h.element_size(), h.shape[-1]
+    if scale1.shape == (w,) and shift.shape == (w,) and gate.shape == (w,):
+        return 8.0 * h.numel(), 4.0 * h.numel() * e + gate.nbytes + 2 * w * 4
+    return [(2.0 * h.numel(), 3.0 * h.numel() * e + gate.nbytes), norm_cost(h, scale1, eps, shift)]
 
 
 def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float, int]]:
@@ -176,6 +196,8 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, backbone, "packed_attention", attention),
         as_one_kernel(census, layers, "rms_norm", norm_cost),
         as_one_kernel(census, layers, "rope_rotate", rope_cost),
+        as_one_kernel(census, layers, "rope_pair", rope_pair_cost),
+        as_one_kernel(census, step, "gated_rms_norm", gated_rms_norm_cost),
         as_one_kernel(census, step, "expert_attention", expert_attention_cost),
         as_one_kernel(census, layers, "gelu_gate", gelu_gate_cost),
         as_one_kernel(census, step, "norm_qkv_rope", norm_qkv_rope_cost),

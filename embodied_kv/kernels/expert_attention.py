@@ -67,7 +67,7 @@ def expert_attention_ref(q, kp, vp, ks, vs, scale: float, bias: torch.Tensor) ->
     hkv = kp.shape[1]
     g = hq // hkv
     n_p = kp.shape[0]
-    qg = q.view(h_len, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, h_len * g, d)
+    qg = q.reshape(h_len, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, h_len * g, d)
     sp = torch.matmul(qg, kp.permute(1, 2, 0))  # [Hkv, H*g, P]
     ss = torch.matmul(qg, ks.permute(1, 2, 0))  # [Hkv, H*g, H]
     # bias + scale * s: masks, scales and (under bf16) casts to fp32 in one kernel

@@ -122,3 +122,35 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return rope_ref(x, cos, sin)
+
+
+def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """q [N, Hq, D] and k [N, Hkv, D] are consecutive heads of one buffer (the fused q/k/v
+    GEMM's output, model/fused.py): one [N, Hq + Hkv, D] view covers both."""
+    if q.dim() != 3 or k.dim() != 3 or q.dtype != k.dtype or q.device != k.device:
+        return False
+    n, hq, d = q.shape
+    return (
+        k.shape[0] == n
+        and k.shape[2] == d
+        and q.stride() == k.stride()
+        and q.stride(1) == d
+        and q.stride(2) == 1
+        and q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        and k.storage_offset() == q.storage_offset() + hq * d
+    )
+
+
+def rope_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by the same tables. On CUDA, where they are adjacent heads of one
+    buffer, one kernel over both (q and k then views of its [N, Hq + Hkv, D] output); else,
+    and on a CPU, one call each: the same bytes (RoPE is elementwise per head)."""
+    if use_kernel(q, k) and adjacent_heads(q, k):
+        n, hq, d = q.shape
+        both = q.as_strided((n, hq + k.shape[1], d), q.stride(), q.storage_offset())
+        out = try_kernel("rope", rope_kernel, both, cos, sin)
+        if out is not None:
+            return out[:, :hq], out[:, hq:]
+    return rope(q, cos, sin), rope(k, cos, sin)

@@ -150,6 +150,8 @@ class ActionExpert(nn.Module):
         `rows`."""
         mod = ctx.modulation
         h = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
+        xn = None  # the chain's next input norm, from the previous layer's closing kernel
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             j = 2 * i
             inputs = StepInputs(
@@ -163,12 +165,23 @@ class ActionExpert(nn.Module):
                 scale=self.scale,
             )
             # CUDA: model/expert_step.py; its kernels take one modulation row for all rows
-            if self.fused_layer_step and mod.scale1.dim() == 3 and fused_ready(layer, h):
-                h = layer_step_fused(layer, h, inputs, self.workspaces)
-            else:
-                h = layer_step_ref(layer, h, inputs)
-        h = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
-        return self.action_out_proj(h.to(self.action_out_proj.weight.dtype))
+            if self.takes_fused(mod, self.layers[i], h):
+                h, xn = layer_step_fused(layer, h, inputs, self.workspaces), None
+            elif i < last and self.takes_fused(mod, self.layers[i + 1], h):
+                h, xn = layer_step_ref(layer, h, inputs, xn), None
+            else:  # the closing residual and the norm after it: one kernel on CUDA
+                nxt = self.norm if i == last else self.layers[i + 1].input_layernorm
+                jn = -1 if i == last else j + 2
+                h, xn = layer_step_ref(layer, h, inputs, xn,
+                                       (mod.scale1[jn, k], mod.shift[jn, k], nxt.eps))  # fmt: skip
+        if xn is None:
+            xn = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
+        return self.action_out_proj(xn.to(self.action_out_proj.weight.dtype))
+
+    def takes_fused(self, mod, layer, h: torch.Tensor) -> bool:
+        """The layer runs the five fused kernels (CUDA, FUSED_LAYER_STEP, one modulation row
+        for all rows); else the chain."""
+        return self.fused_layer_step and mod.scale1.dim() == 3 and fused_ready(layer, h)
 
     @torch.no_grad()
     def sample(

@@ -12,7 +12,14 @@ The reference is the chain the CPU's bytes are pinned to (the parity with LeRobo
 rests on it); the fused path is the same arithmetic in the five kernel calls above (issue
 33), each kernel tested against its reference under TRITON_INTERPRET=1, and the two paths
 against each other in test/model/test_expert_step.py. `fused_ready` picks: the fused path
-needs the q/k/v and gate/up fusions in use (CUDA inference) and the tensors on CUDA.
+needs the q/k/v and gate/up fusions in use (CUDA inference) and the tensors on CUDA; and
+model/expert.py FUSED_LAYER_STEP, False since an H200 measured the chain faster.
+
+The chain as CUDA runs it: 10 kernels per layer-step (the q/k/v GEMM, RoPE over q and k in
+one launch, the attention's partials and reduce, o_proj, the gated residual with the
+post-attention norm in one kernel (kernels/gated_rms_norm.py), gate/up, GELU-gate, down, and
+the gated residual with the next norm, the next layer's input norm or the final one, in
+one); on the CPU the same ops one by one, the bytes unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from embodied_kv.kernels import gemm_residual
 from embodied_kv.kernels import norm_gate_up as gate_up_kernels
 from embodied_kv.kernels import norm_qkv_rope as qkv_kernels
 from embodied_kv.kernels.expert_attention import expert_attention
+from embodied_kv.kernels.gated_rms_norm import gated_rms_norm
 from embodied_kv.kernels.gemm_residual import linear_gated_residual
 from embodied_kv.kernels.norm_gate_up import norm_gate_up
 from embodied_kv.kernels.norm_qkv_rope import norm_qkv_rope
@@ -58,16 +66,34 @@ def fused_ready(layer: GemmaLayer, h: torch.Tensor) -> bool:
     return h.is_cuda and fusions_usable(layer)
 
 
-def layer_step_ref(layer: GemmaLayer, h: torch.Tensor, s: StepInputs) -> torch.Tensor:
-    """Today's chain, op for op (the CPU bytes): h [H, W] -> h after the layer."""
+NextNorm = tuple[torch.Tensor, torch.Tensor, float]  # scale1, shift [W] fp32; eps
+
+
+def layer_step_ref(
+    layer: GemmaLayer,
+    h: torch.Tensor,
+    s: StepInputs,
+    xn: torch.Tensor | None = None,
+    next_norm: NextNorm | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The chain, op for op (the CPU bytes): h [H, W] -> h after the layer.
+
+    `xn`: the layer's input norm of h where the previous layer's last kernel computed it.
+    `next_norm`: the adaRMS norm that follows the layer (the next layer's input norm, or
+    the expert's final one): the closing gated residual and that norm run as one kernel on
+    CUDA, and the result is (h, its norm). On the CPU the same ops in the same order."""
     attn, h_len = layer.self_attn, h.shape[0]
-    xn = layer.input_layernorm.modulate(h, s.scale1[0], s.shift[0])
+    if xn is None:
+        xn = layer.input_layernorm.modulate(h, s.scale1[0], s.shift[0])
     q, k, v = attn.qkv(xn)
-    q, k = Rope.rotate(q, s.cos_sin), Rope.rotate(k, s.cos_sin)
+    q, k = Rope.rotate_pair(q, k, s.cos_sin)  # one kernel on CUDA with the fused q/k/v
     o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias)  # one kernel on CUDA
-    h = torch.addcmul(h, attn.o_proj(o.reshape(h_len, -1)), s.gate[0])
-    xn = layer.post_attention_layernorm.modulate(h, s.scale1[1], s.shift[1])
-    return torch.addcmul(h, layer.mlp(xn), s.gate[1])
+    # addcmul, then the post-attention norm: one kernel on CUDA (kernels/gated_rms_norm.py)
+    h, xn = gated_rms_norm(h, attn.o_proj(o.reshape(h_len, -1)), s.gate[0], s.scale1[1],
+                           s.shift[1], layer.post_attention_layernorm.eps)  # fmt: skip
+    if next_norm is None:
+        return torch.addcmul(h, layer.mlp(xn), s.gate[1])
+    return gated_rms_norm(h, layer.mlp(xn), s.gate[1], *next_norm)
 
 
 def layer_step_fused(

@@ -11,6 +11,7 @@ from torch import nn
 from embodied_kv.kernels.gelu_gate import gelu_gate
 from embodied_kv.kernels.rms_norm import rms_norm
 from embodied_kv.kernels.rope import rope as rope_rotate
+from embodied_kv.kernels.rope import rope_pair
 from embodied_kv.model.config import GemmaConfig
 
 
@@ -164,6 +165,14 @@ class Rope(nn.Module):
         """x [N, H, D] rotated by `at`'s tables, same dtype; one kernel on CUDA
         (kernels/rope.py)."""
         return rope_rotate(x, *cos_sin)
+
+    @staticmethod
+    def rotate_pair(
+        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotate` of q and of k; one kernel on CUDA where they are adjacent heads of the
+        fused q/k/v output (kernels/rope.py rope_pair: q, k then strided views)."""
+        return rope_pair(q, k, *cos_sin)
 
 
 def sinusoidal_time(

@@ -27,6 +27,11 @@ CHUNK_ATOL = 1e-4
 # inside (issue 33 asked <= 5), 6 again since an H200 timed that reduce inside at 39.4 us a
 # call against 13.7 us for partials + reduce (kernels/expert_attention.py FUSED_REDUCE).
 MAX_KERNELS_PER_LAYER_STEP = 5 if FUSED_REDUCE else 6
+# The chain (CUDA's default, model/expert.py FUSED_LAYER_STEP): q/k/v GEMM, RoPE over q and k,
+# the attention's partials + reduce, o_proj, gated residual + post-attention norm, gate/up,
+# GELU-gate, down, gated residual + the next layer's input norm (kernels/gated_rms_norm.py,
+# kernels/rope.py rope_pair): 10, from 13 (2026-12-04).
+CHAIN_KERNELS_PER_LAYER_STEP = 10
 
 
 def prefilled(m, seed=3):
@@ -112,13 +117,13 @@ def test_bf16_attention_reads_the_prefix_without_a_cast():
     assert chunk.dtype == torch.float32 and torch.isfinite(chunk).all()
 
 
-def test_denoise_kernels_per_layer_step_stay_few():
+def kernels_per_layer_step(fused: bool) -> float:
     steps = get_preset("tiny").denoise_steps
     counts = {}
     for depth in (1, 2):
         m = build_model(get_preset("tiny", layers=depth), dtype=torch.bfloat16)
         fuse_projections(m)  # as on CUDA
-        m.expert.fused_layer_step = True  # the five-kernel path (CUDA's default runs the chain)
+        m.expert.fused_layer_step = fused
         arena, slot, n = prefilled(m)
         # warm-up (as graph capture is): what is computed once per weights load (the flow
         # modulation table, model/flow_constants.py) is not part of an action
@@ -127,5 +132,11 @@ def test_denoise_kernels_per_layer_step_stay_few():
         with census, cuda_kernels(census), census.region("denoise"):
             m.expert.sample(arena, slot, torch.tensor(n), m.make_noise(0), rows=256)
         counts[depth] = census.tallies["denoise"].kernels
-    per_layer_step = (counts[2] - counts[1]) / steps
+    return (counts[2] - counts[1]) / steps
+
+
+def test_denoise_kernels_per_layer_step_stay_few():
+    per_layer_step = kernels_per_layer_step(fused=True)
     assert per_layer_step <= MAX_KERNELS_PER_LAYER_STEP, per_layer_step
+    chain = kernels_per_layer_step(fused=False)
+    assert chain == CHAIN_KERNELS_PER_LAYER_STEP, chain
