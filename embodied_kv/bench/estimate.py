@@ -100,6 +100,17 @@ def gated_rms_norm_cost(h, y, gate, scale1, shift, eps) -> tuple | list:
     return [(2.0 * h.numel(), 3.0 * h.numel() * e + gate.nbytes), norm_cost(h, scale1, eps, shift)]
 
 
+def action_in_cost(x_t, w, b, dtype) -> tuple[float, float]:
+    """kernels/flow_io.py action_in: the fp32 in-projection with its cast, one kernel."""
+    m, n = x_t.shape[0], w.shape[0]
+    return 2.0 * m * n * w.shape[1], x_t.nbytes + w.nbytes + b.nbytes + m * n * dtype.itemsize
+
+
+def euler_out_cost(x, xn, w, b, dt) -> tuple[float, float]:
+    """kernels/flow_io.py euler_out: the fp32 head, its cast and the Euler step, one kernel."""
+    return 2.0 * x.numel() * w.shape[1] + 2 * x.numel(), xn.nbytes + w.nbytes + 2 * x.nbytes
+
+
 def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float, int]]:
     """The expert attention as CUDA runs it (kernels/expert_attention.py): QK^T and PV over
     prefix + suffix rows for every query; q once, the prefix and suffix K/V once, fp32
@@ -198,6 +209,8 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, layers, "rope_rotate", rope_cost),
         as_one_kernel(census, layers, "rope_pair", rope_pair_cost),
         as_one_kernel(census, step, "gated_rms_norm", gated_rms_norm_cost),
+        as_one_kernel(census, expert, "action_in", action_in_cost),
+        as_one_kernel(census, expert, "euler_out", euler_out_cost),
         as_one_kernel(census, step, "expert_attention", expert_attention_cost),
         as_one_kernel(census, layers, "gelu_gate", gelu_gate_cost),
         as_one_kernel(census, step, "norm_qkv_rope", norm_qkv_rope_cost),

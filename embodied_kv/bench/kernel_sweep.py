@@ -38,14 +38,18 @@ from embodied_kv.kernels import expert_attention as attn_k
 from embodied_kv.kernels import gemm_residual as res_k
 from embodied_kv.kernels import norm_gate_up as gate_k
 from embodied_kv.kernels import norm_qkv_rope as qkv_k
+from embodied_kv.kernels.gated_rms_norm import plan_gated_rms_norm
 from embodied_kv.kernels.gelu_gate import gelu_gate, gelu_gate_ref
 from embodied_kv.kernels.prefill_tile import TileConfig
 from embodied_kv.kernels.rms_norm import rms_norm, rms_norm_ref
-from embodied_kv.kernels.rope import rope, rope_ref
+from embodied_kv.kernels.rope import plan_rope, rope, rope_ref
 
 LAYERS = 18  # pi05's expert depth: one weight set per layer in the graph
-PI05 = {"n": 50, "w": 1024, "hq": 8, "hkv": 1, "d": 256, "f": 4096, "prefix": 663, "bucket": 704}
-TINY = {"n": 5, "w": 64, "hq": 2, "hkv": 1, "d": 16, "f": 128, "prefix": 21, "bucket": 32}
+# the attention at the prefix of 2 cameras (663 rows, bucket 704) and of 3 (921, bucket 960)
+PI05 = {"n": 50, "w": 1024, "hq": 8, "hkv": 1, "d": 256, "f": 4096, "prefix": 663, "bucket": 704,
+        "prefix3": 921, "bucket3": 960}  # fmt: skip
+TINY = {"n": 5, "w": 64, "hq": 2, "hkv": 1, "d": 16, "f": 128, "prefix": 21, "bucket": 32,
+        "prefix3": 40, "bucket3": 48}  # fmt: skip
 EPS = 1e-6
 
 
@@ -101,8 +105,10 @@ def layer_inputs(s: dict, dtype, device, layers: int) -> list[dict]:
     pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d))
     ang = torch.cat([pos * inv, pos * inv], dim=-1)[:, None, :]
-    bias = torch.zeros(s["bucket"] + n, device=device)
-    bias[s["prefix"] : s["bucket"]] = float("-inf")
+    biases = {}
+    for tag in ("", "3"):
+        biases[tag] = torch.zeros(s["bucket" + tag] + n, device=device)
+        biases[tag][s["prefix" + tag] : s["bucket" + tag]] = float("-inf")
     out = []
     for _ in range(layers):
         out.append({
@@ -121,9 +127,13 @@ def layer_inputs(s: dict, dtype, device, layers: int) -> list[dict]:
             "q": rand(n, hq, d, dtype=dtype, device=device),
             "kp": rand(s["bucket"], hkv, d, dtype=dtype, device=device),
             "vp": rand(s["bucket"], hkv, d, dtype=dtype, device=device),
+            "kp3": rand(s["bucket3"], hkv, d, dtype=dtype, device=device),
+            "vp3": rand(s["bucket3"], hkv, d, dtype=dtype, device=device),
             "ks": rand(n, hkv, d, dtype=dtype, device=device),
             "vs": rand(n, hkv, d, dtype=dtype, device=device),
-            "bias": bias,
+            "bias": biases[""], "bias3": biases["3"],
+            "y": rand(n, w, dtype=dtype, device=device),  # a GEMM output joining the stream
+            "qkv": rand(n, heads * d, dtype=dtype, device=device),  # the fused q/k/v output
         })  # fmt: skip
     return out
 
@@ -153,18 +163,39 @@ def res_chain(L, k):
     return torch.addcmul(L["h"], F.linear(x, w), L["gate"])
 
 
-def attn_chain(L, s):
-    """The torch reference: the chain's attention is the same kernel as the fused path's."""
-    return attn_k.expert_attention_ref(L["q"], L["kp"], L["vp"], L["ks"], L["vs"],
-                                       s["d"] ** -0.5, L["bias"])  # fmt: skip
+def attn_chain(L, s, tag=""):
+    """The torch reference: the chain's attention is the same kernel as the fused path's.
+    `tag` "3": the 3-camera prefix."""
+    return attn_k.expert_attention_ref(L["q"], L["kp" + tag], L["vp" + tag], L["ks"], L["vs"],
+                                       s["d"] ** -0.5, L["bias" + tag])  # fmt: skip
 
 
-def attn_sdpa(L, s):
+def gated_chain(L, s, ref=False):
+    """addcmul, then the adaRMS norm (the chain before kernels/gated_rms_norm.py): [s, xn]."""
+    norm = rms_norm_ref if ref else rms_norm
+    h = torch.addcmul(L["h"], L["y"], L["gate"])
+    return torch.cat([h, norm(h, L["scale1"], EPS, L["shift"])], 1)
+
+
+def qk_views(L, s):
+    n, d, hq, hkv = s["n"], s["d"], s["hq"], s["hkv"]
+    q, k, _ = L["qkv"].split([hq * d, hkv * d, hkv * d], dim=1)
+    return q.view(n, hq, d), k.view(n, hkv, d)
+
+
+def rope_chain(L, s, ref=False):
+    """RoPE on q, then on k (the chain before kernels/rope.py rope_pair)."""
+    rot = rope_ref if ref else rope
+    q, k = qk_views(L, s)
+    return torch.cat([rot(q, L["cos"], L["sin"]), rot(k, L["cos"], L["sin"])], 1)
+
+
+def attn_sdpa(L, s, tag=""):
     """torch's SDPA over the concatenated K/V (cuDNN / flash / efficient, as torch picks)."""
-    k = torch.cat([L["kp"], L["ks"]]).permute(1, 0, 2)[None]
-    v = torch.cat([L["vp"], L["vs"]]).permute(1, 0, 2)[None]
+    k = torch.cat([L["kp" + tag], L["ks"]]).permute(1, 0, 2)[None]
+    v = torch.cat([L["vp" + tag], L["vs"]]).permute(1, 0, 2)[None]
     q = L["q"].permute(1, 0, 2)[None]
-    mask = (L["bias"] == 0)[None, None, None, :]
+    mask = (L["bias" + tag] == 0)[None, None, None, :]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return o[0].permute(1, 0, 2)
 
@@ -224,7 +255,7 @@ def res_candidates(s, dry, which):
         yield f"block_n={bn} block_k={bk} split_k={sk} warps={nw} stages={ns}", make
 
 
-def attn_candidates(s, dry):
+def attn_candidates(s, dry, tag=""):
     grid = [(4, True, 16, 4, 2)] if dry else [
         (bps, fused, 16, 4, 2) for bps in (1, 2, 4, 8) for fused in (True, False)
     ] + [(2, False, 16, 8, 2), (2, False, 16, 4, 3), (4, False, 32, 8, 2)]  # fmt: skip
@@ -233,15 +264,33 @@ def attn_candidates(s, dry):
             base = attn_k.tile_config(L["q"].dtype, s["hq"] // s["hkv"])
             cfg = TileConfig(base.block_m, base.group_pad, bn, nw, ns)
             with patched(attn_k, BLOCKS_PER_SPLIT=bps, tile_config=lambda *a: cfg):
-                work = attn_k.expert_workspace(s["n"], s["hq"], s["hkv"], s["d"], s["bucket"],
-                                               L["q"].dtype, L["q"].device)  # fmt: skip
+                work = attn_k.expert_workspace(s["n"], s["hq"], s["hkv"], s["d"],
+                                               s["bucket" + tag], L["q"].dtype, L["q"].device)
                 out = torch.empty_like(L["q"])
-                launches = attn_k.plan_expert_attention(L["q"], L["kp"], L["vp"], L["ks"],
-                                                        L["vs"], s["d"] ** -0.5, L["bias"], out,
-                                                        work, fused)  # fmt: skip
+                launches = attn_k.plan_expert_attention(L["q"], L["kp" + tag], L["vp" + tag],
+                                                        L["ks"], L["vs"], s["d"] ** -0.5,
+                                                        L["bias" + tag], out, work, fused)
             return out, lambda: [la.run() for la in launches]
         label = f"blocks_per_split={bps} fused_reduce={fused} block_n={bn} warps={nw}"
         yield f"{label} stages={ns}", make
+
+
+def fusion_candidates(s, which):
+    """The chain's own fusions, one configuration each: the gated residual + norm kernel,
+    RoPE over q and k in one launch."""
+    def make(L):
+        n, w = s["n"], s["w"]
+        if which == "gated":
+            out = torch.empty(n, 2 * w, dtype=L["h"].dtype, device=L["h"].device)
+            launch = plan_gated_rms_norm(L["h"], L["y"], L["gate"], L["scale1"], L["shift"],
+                                         EPS, out[:, :w], out[:, w:])  # fmt: skip
+        else:
+            q, k = qk_views(L, s)
+            both = q.as_strided((n, s["hq"] + s["hkv"], s["d"]), q.stride(), q.storage_offset())
+            out = torch.empty(both.shape, dtype=q.dtype, device=q.device)
+            launch = plan_rope(both, L["cos"], L["sin"], out)
+        return out, launch.run
+    yield ("one kernel" if which == "gated" else "one launch over q and k"), make
 
 
 def kernels(s):
@@ -259,6 +308,15 @@ def kernels(s):
          lambda o: o, lambda dry: res_candidates(s, dry, "o")),
         ("gated_residual_down", lambda L: res_chain(L, "d"), lambda L: res_chain(fp32(L), "d"),
          lambda o: o, lambda dry: res_candidates(s, dry, "d")),
+        ("chain_gated_rms_norm", lambda L: gated_chain(L, s),
+         lambda L: gated_chain(fp32(L), s, True), lambda o: o,
+         lambda dry: fusion_candidates(s, "gated")),
+        ("chain_rope_qk", lambda L: flat(rope_chain(L, s)),
+         lambda L: flat(rope_chain(fp32(L), s, True)), flat,
+         lambda dry: fusion_candidates(s, "rope")),
+        ("expert_attention_3cam", lambda L: flat(attn_chain(L, s, "3")),
+         lambda L: flat(attn_chain(fp32(L), s, "3")), flat,
+         lambda dry: attn_candidates(s, dry, "3")),
     ]  # fmt: skip
 
 
@@ -278,7 +336,9 @@ def run(dry: bool, budget_s: float, repeats: int, json_path: Path | None) -> dic
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(result, indent=1))
 
-    extra = {"expert_attention": [("torch_sdpa", attn_sdpa)]}
+    # torch's own attention, ranked beside the kernel's configurations (checked dry too)
+    extra = {"expert_attention": [("torch_sdpa", lambda L: attn_sdpa(L, s))],
+             "expert_attention_3cam": [("torch_sdpa", lambda L: attn_sdpa(L, s, "3"))]}
     todo = kernels(s)
     for i, (name, chain, ref_fn, view, candidates) in enumerate(todo):
         # each kernel its share of what is left of the budget
@@ -294,15 +354,18 @@ def run(dry: bool, budget_s: float, repeats: int, json_path: Path | None) -> dic
                 row["chain_us"], row["chain_error"] = float("nan"), repr(e)[:300]
             print(f"{name:20s} chain {row['chain_us']:8.2f} us  err {chain_err:.2e}",
                   flush=True)
-            for label, fn in extra.get(name, []):
-                try:
-                    err = rel_err(view(fn(layers[0])), ref)
-                    us = time_graph([lambda L=L, f=fn: f(L) for L in layers], repeats)
-                    row["candidates"].append({"config": label, "us": us, "err": err,
-                                              "ok": err <= max(2 * chain_err, 1e-5)})
-                    print(f"{name:20s} {label:58s} {us:8.2f} us  err {err:.2e}", flush=True)
-                except Exception as e:  # noqa: BLE001 - a baseline torch may not support
-                    row["candidates"].append({"config": label, "error": repr(e)[:300]})
+        for label, fn in extra.get(name, []):
+            cand = {"config": label}
+            try:
+                cand["err"] = rel_err(view(fn(layers[0])), ref)
+                cand["ok"] = cand["err"] <= max(2 * chain_err, 1e-5)
+                if cuda:
+                    cand["us"] = time_graph([lambda L=L, f=fn: f(L) for L in layers], repeats)
+            except Exception as e:  # noqa: BLE001 - a baseline torch may not support
+                cand["error"] = repr(e)[:300]
+            row["candidates"].append(cand)
+            print(f"{name:20s} {label:58s} {cand.get('us', float('nan')):8.2f} us  "
+                  f"err {cand.get('err', float('nan')):.2e} {cand.get('error', '')[:80]}")
         for label, make in candidates(dry):
             if time.perf_counter() > deadline:
                 row["stopped"] = "its share of the budget reached"

@@ -49,7 +49,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from embodied_kv.kernels import gated_rms_norm, gemm_residual, norm_gate_up, norm_qkv_rope
+from embodied_kv.kernels import (
+    flow_io,
+    gated_rms_norm,
+    gemm_residual,
+    norm_gate_up,
+    norm_qkv_rope,
+)
 from embodied_kv.kernels.add_layer_norm import plan_add_layer_norm
 from embodied_kv.kernels.attn_stats import BLOCK_M as STATS_BLOCK_M
 from embodied_kv.kernels.attn_stats import plan_attn_stats
@@ -223,7 +229,8 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     # norm -> gate/up + GELU-gate, and the two GEMMs with the gated residual
     fused = norm_qkv_rope.pi05_launches() + norm_gate_up.pi05_launches()
     # and the chain's (CUDA's default): addcmul + the post-attention norm in one kernel
-    for launch in fused + gemm_residual.pi05_launches() + gated_rms_norm.pi05_launches():
+    chain = gated_rms_norm.pi05_launches() + flow_io.pi05_launches()  # and the flow's head
+    for launch in fused + gemm_residual.pi05_launches() + chain:
         launches.setdefault(launch.name, launch)
     return list(launches.values())
 

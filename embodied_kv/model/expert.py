@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embodied_kv.kernels.flow_io import action_in, euler_out
+from embodied_kv.kernels.triton_base import as_dtype
 from embodied_kv.model.config import ModelConfig
 from embodied_kv.model.expert_step import (
     StepInputs,
@@ -148,8 +150,22 @@ class ActionExpert(nn.Module):
         With `rows` in the context, arena rows [0, rows) are read and those >= prefix_len
         (a 0-d device tensor) masked, so one CUDA graph serves every prefix length up to
         `rows`."""
+        out = self.action_out_proj
+        return out(as_dtype(self.hidden_at(x_t, ctx, k, arena, slot, prefix_len), out.weight.dtype))
+
+    def hidden_at(
+        self,
+        x_t: torch.Tensor,
+        ctx: StepContext,
+        k: int,
+        arena: KVArena,
+        slot: int,
+        prefix_len: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """`velocity_at` up to the output head: the final norm's [H, W], the model dtype."""
         mod = ctx.modulation
-        h = self.action_in_proj(x_t.to(self.action_in_proj.weight.dtype)).to(self.dtype)
+        inp = self.action_in_proj  # fp32 [W, A] with its cast: one kernel on CUDA
+        h = action_in(x_t, inp.weight, inp.bias, self.dtype)
         xn = None  # the chain's next input norm, from the previous layer's closing kernel
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -176,7 +192,7 @@ class ActionExpert(nn.Module):
                                        (mod.scale1[jn, k], mod.shift[jn, k], nxt.eps))  # fmt: skip
         if xn is None:
             xn = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
-        return self.action_out_proj(xn.to(self.action_out_proj.weight.dtype))
+        return xn
 
     def takes_fused(self, mod, layer, h: torch.Tensor) -> bool:
         """The layer runs the five fused kernels (CUDA, FUSED_LAYER_STEP, one modulation row
@@ -204,8 +220,10 @@ class ActionExpert(nn.Module):
         x = noise.float()
         mod = self.flow_modulation(steps, x.device)  # of t_k = 1 + k dt, kept across actions
         ctx = self.context(None, x.shape[0], prefix_len, rows, x.device, layer_rows, mod)
-        for k in range(steps):
-            x = x + dt * self.velocity_at(x, ctx, k, arena, slot, prefix_len).float()
+        out = self.action_out_proj
+        for k in range(steps):  # x + dt * v, the head and its cast: one kernel on CUDA
+            xn = self.hidden_at(x, ctx, k, arena, slot, prefix_len)
+            x = euler_out(x, xn, out.weight, out.bias, dt)
         return x
 
 
