@@ -156,16 +156,16 @@ def euler_out_kernel(x, xn, w, b, dt: float) -> torch.Tensor:
     return out
 
 
-def applies(a, w, b) -> bool:
-    """The kernels' range: CUDA at inference, 2-D rows, contiguous fp32 weight and bias (the
+def fp32_head(a, w, b) -> bool:
+    """The kernels' range besides the device: 2-D rows, a contiguous fp32 weight and bias (the
     precision policy keeps them so; a model built otherwise runs the references)."""
-    fp32_head = w.dtype == torch.float32 and b is not None and b.dtype == torch.float32
-    return use_kernel(a, w, b) and a.dim() == 2 and fp32_head and w.is_contiguous()
+    fp32 = w.dtype == torch.float32 and b is not None and b.dtype == torch.float32
+    return a.dim() == 2 and fp32 and w.is_contiguous()
 
 
 def action_in(x_t, w, b, dtype: torch.dtype) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere."""
-    if applies(x_t, w, b) and x_t.dtype == torch.float32:
+    if use_kernel(x_t, w, b) and fp32_head(x_t, w, b) and x_t.dtype == torch.float32:
         out = try_kernel("action_in", action_in_kernel, x_t, w, b, dtype)
         if out is not None:
             return out
@@ -174,7 +174,7 @@ def action_in(x_t, w, b, dtype: torch.dtype) -> torch.Tensor:
 
 def euler_out(x, xn, w, b, dt: float) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere."""
-    if applies(xn, w, b) and x.dim() == 2 and x.dtype == torch.float32:
+    if use_kernel(xn, w, b) and fp32_head(xn, w, b) and x.dim() == 2 and x.dtype == torch.float32:
         out = try_kernel("euler_out", euler_out_kernel, x, xn, w, b, dt)
         if out is not None:
             return out

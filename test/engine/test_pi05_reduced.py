@@ -70,14 +70,20 @@ def slot_bytes(engine) -> dict:
 def test_whole_cycle_snapshot_and_restore(engine):
     m = engine.model
     velocities = []
-    hook = m.expert.action_out_proj.register_forward_hook(lambda *a: velocities.append(1))
+    hidden_at = m.expert.hidden_at  # one call per Euler step (the head then runs fused)
+
+    def counted(*args, **kwargs):
+        velocities.append(1)
+        return hidden_at(*args, **kwargs)
+
+    m.expert.hidden_at = counted
     engine.observe(synthetic_observation(m.cfg, 0, "put the red cup on the plate"))
     engine.begin_episode()
     engine.ask("where is the cup?")
     try:
         first = engine.cycle(0)
     finally:
-        hook.remove()
+        del m.expert.hidden_at
     prompt = m.embed_prefix(synthetic_observation(m.cfg, 0, "put the red cup on the plate"))
     assert first.prefix_len == prompt.embeds.shape[0] > 3 * 256
     assert len(velocities) == m.cfg.denoise_steps == 10

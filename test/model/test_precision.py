@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import embodied_kv.model.expert as expert_module
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
@@ -74,7 +75,7 @@ def test_build_allocates_every_parameter_once_in_its_own_dtype(count_allocations
     assert params[torch.float32] <= c.bytes[torch.float32] <= params[torch.float32] + 2 * buffers
 
 
-def test_euler_state_is_fp32_between_steps(bf16_model):
+def test_euler_state_is_fp32_between_steps(bf16_model, monkeypatch):
     """The state fed to each velocity is fp32 and holds values bf16 cannot represent:
     it is not rounded to the model dtype between Euler steps."""
     m = bf16_model
@@ -83,13 +84,14 @@ def test_euler_state_is_fp32_between_steps(bf16_model):
     prefix = m.embed_prefix(synthetic_observation(m.cfg, 3, "stack the cups"))
     m.prefill(arena, slot, prefix)
     states = []
-    hook = m.expert.action_in_proj.register_forward_pre_hook(
-        lambda mod, args: states.append(args[0].clone())
-    )
-    try:
-        chunk = m.sample_actions(arena, slot, arena.slot_len(slot), m.make_noise(5))
-    finally:
-        hook.remove()
+    action_in = expert_module.action_in  # the in-projection (kernels/flow_io.py) takes x_t
+
+    def recorded(x_t, *args):
+        states.append(x_t.clone())
+        return action_in(x_t, *args)
+
+    monkeypatch.setattr(expert_module, "action_in", recorded)
+    chunk = m.sample_actions(arena, slot, arena.slot_len(slot), m.make_noise(5))
     assert len(states) == m.cfg.denoise_steps
     assert chunk.dtype == torch.float32 and torch.isfinite(chunk).all()
     for x in states:
