@@ -37,6 +37,7 @@ from embodied_kv.storage.arena import KVArena
 # beside it (`graphs_fused_ms` / `graphs_unfused_ms`) and says LOSS if the default loses.
 FUSED_LAYER_STEP = False
 
+
 class ActionExpert(nn.Module):
     def __init__(self, cfg: ModelConfig, max_pos: int):
         super().__init__()
@@ -181,7 +182,7 @@ class ActionExpert(nn.Module):
                 scale=self.scale,
             )
             # CUDA: model/expert_step.py; its kernels take one modulation row for all rows
-            if self.takes_fused(mod, self.layers[i], h):
+            if self.takes_fused(mod, layer, h):
                 h, xn = layer_step_fused(layer, h, inputs, self.workspaces), None
             elif i < last and self.takes_fused(mod, self.layers[i + 1], h):
                 h, xn = layer_step_ref(layer, h, inputs, xn), None
