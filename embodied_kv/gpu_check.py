@@ -248,8 +248,9 @@ def run_profile(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     steps = {}
-    requested = [b for b in module.PROFILE if only is None or b.name in only]
-    for b in [b for b in requested if only is not None or not getattr(b, "on_request", False)]:
+    # --only names the steps; without it, all but those run on request only
+    for b in [b for b in module.PROFILE
+              if (b.name in only if only is not None else not getattr(b, "on_request", False))]:
         budget = args.timeout or (module.DRY_BUDGET_S if args.dry else b.budget_s)
         cmd = module.command(b, sys.executable, out, args.dry)
         if cmd is None:

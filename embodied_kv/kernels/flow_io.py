@@ -103,13 +103,14 @@ def plan_flow_linear(a, w, b, out, x=None, dt: float = 0.0) -> Launch:
     m, k = a.shape
     n = w.shape[0]
     euler = x is not None
+    state = x if euler else out  # read only by the Euler epilogue
     return Launch(
         name=f"flow_{'euler_out' if euler else 'action_in'} M={m} N={n} K={k} "
         f"{str(a.dtype).removeprefix('torch.')}->{str(out.dtype).removeprefix('torch.')}",
         kernel=_flow_linear_fwd,
         grid=(-(-m // BLOCK_M), -(-n // BLOCK_N)),
-        args=(a, w, b, out if x is None else x, out, m, n, k, float(dt), a.stride(0),
-              (out if x is None else x).stride(0), out.stride(0)),  # fmt: skip
+        args=(a, w, b, state, out, m, n, k, float(dt), a.stride(0), state.stride(0),
+              out.stride(0)),  # fmt: skip
         constexprs={
             "EULER": euler,
             "BLOCK_M": BLOCK_M,
