@@ -111,12 +111,15 @@ def euler_out_cost(x, xn, w, b, dt) -> tuple[float, float]:
     return 2.0 * x.numel() * w.shape[1] + 2 * x.numel(), xn.nbytes + w.nbytes + 2 * x.nbytes
 
 
-def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, float, int]]:
+def expert_attention_cost(
+    q, kp, vp, ks, vs, scale, bias, work=None, rope=None
+) -> list[tuple[float, float, int]]:
     """The expert attention as CUDA runs it (kernels/expert_attention.py): QK^T and PV over
     prefix + suffix rows for every query; q once, the prefix and suffix K/V once, fp32
     partials written and read back (L2-resident, counted), the reduce's FLOPs, out written.
     Two kernels (the partials, then the reduce) unless FUSED_REDUCE, where each tile's last
-    split reduces (one kernel, plus its arrival counters)."""
+    split reduces (one kernel, plus its arrival counters). With `rope` the partials rotate q
+    and the suffix k as they load them: the two tables read, 3 FLOPs an element."""
     h_len, hq, d = q.shape
     rows = kp.shape[0] + ks.shape[0]
     kv = 2 * rows * kp.shape[1] * d * kp.element_size()
@@ -128,6 +131,9 @@ def expert_attention_cost(q, kp, vp, ks, vs, scale, bias) -> list[tuple[float, f
     counters = 8.0 * -(-h_len // tile_config(q.dtype, hq // kp.shape[1]).block_m) * kp.shape[1]
     flops = 4.0 * h_len * hq * d * rows
     reduce_flops = 3.0 * h_len * hq * splits * d
+    if rope is not None:
+        flops += 3.0 * (q.numel() + ks.numel())
+        q_bytes += 2 * rope[0].numel() * 4
     if FUSED_REDUCE:
         moved = 2 * q_bytes + kv + bias.numel() * 4 + 2 * partials + counters
         return [(flops + reduce_flops, moved, steps)]

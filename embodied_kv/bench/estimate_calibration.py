@@ -210,8 +210,8 @@ def recording(est):
             return (*c, -(-int(kv_len.max()) // bn))
         return c
 
-    def expert(q, kp, vp, ks, vs, scale, bias):
-        c = real[2](q, kp, vp, ks, vs, scale, bias)
+    def expert(q, kp, vp, ks, vs, scale, bias, *rest, **kwargs):
+        c = real[2](q, kp, vp, ks, vs, scale, bias, *rest, **kwargs)
         if old_tree:  # split partials (steps: a prefix chunk's blocks, or the suffix's), reduce
             bn = est.tile_config(q.dtype, q.shape[1] // kp.shape[1]).block_n
             blocks = -(-kp.shape[0] // bn)

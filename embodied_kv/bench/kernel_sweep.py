@@ -43,6 +43,7 @@ from embodied_kv.kernels.gelu_gate import gelu_gate, gelu_gate_ref
 from embodied_kv.kernels.prefill_tile import TileConfig
 from embodied_kv.kernels.rms_norm import rms_norm, rms_norm_ref
 from embodied_kv.kernels.rope import plan_rope, rope, rope_ref
+from embodied_kv.model.layers import Rope
 
 LAYERS = 18  # pi05's expert depth: one weight set per layer in the graph
 # the attention at the prefix of 2 cameras (663 rows, bucket 704) and of 3 (921, bucket 960)
@@ -102,9 +103,9 @@ def rand(*shape, dtype, device, scale=1.0):
 def layer_inputs(s: dict, dtype, device, layers: int) -> list[dict]:
     n, w, hq, hkv, d, f = (s[k] for k in ("n", "w", "hq", "hkv", "d", "f"))
     heads = hq + 2 * hkv
-    pos = torch.arange(n, device=device, dtype=torch.float32)[:, None]
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device).float() / d))
-    ang = torch.cat([pos * inv, pos * inv], dim=-1)[:, None, :]
+    rope_tables = Rope(d, n, 10000.0).to(device)  # the model's layout: [c, c], [-s, s]
+    rope_tables.reset_tables()
+    cos, sin = rope_tables.at(torch.arange(n, device=device))
     biases = {}
     for tag in ("", "3"):
         biases[tag] = torch.zeros(s["bucket" + tag] + n, device=device)
@@ -117,8 +118,8 @@ def layer_inputs(s: dict, dtype, device, layers: int) -> list[dict]:
             "shift": 0.1 * torch.randn(w, device=device),
             "w_qkv": rand(heads * d, w, dtype=dtype, device=device, scale=w ** -0.5),
             "w_gu": rand(2 * f, w, dtype=dtype, device=device, scale=w ** -0.5),
-            "cos": ang.cos().expand(n, 1, d).contiguous(),
-            "sin": ang.sin().expand(n, 1, d).contiguous(),
+            "cos": cos,
+            "sin": sin,
             "x_o": rand(n, hq * d, dtype=dtype, device=device),
             "w_o": rand(w, hq * d, dtype=dtype, device=device, scale=(hq * d) ** -0.5),
             "x_d": rand(n, f, dtype=dtype, device=device),
@@ -188,6 +189,15 @@ def rope_chain(L, s, ref=False):
     rot = rope_ref if ref else rope
     q, k = qk_views(L, s)
     return torch.cat([rot(q, L["cos"], L["sin"]), rot(k, L["cos"], L["sin"])], 1)
+
+
+def rope_attn_chain(L, s, ref=False):
+    """RoPE on q and the suffix k, then the attention: the chain's step before the attention
+    rotated them as it loads them (kernels/expert_attention.py `rope=`)."""
+    rot = rope_ref if ref else rope
+    q, k = (rot(x, L["cos"], L["sin"]) for x in qk_views(L, s))
+    return attn_k.expert_attention_ref(q, L["kp"], L["vp"], k, L["vs"], s["d"] ** -0.5,
+                                       L["bias"])  # fmt: skip
 
 
 def attn_sdpa(L, s, tag=""):
@@ -296,6 +306,30 @@ def fusion_candidates(s, which):
     yield ("one kernel" if which == "gated" else "one launch over q and k"), make
 
 
+def rope_attn_candidates(s):
+    """The RoPE launch over q and k then the attention (2026-12-04's chain), and the
+    attention rotating them itself (one launch fewer)."""
+    for on_load in (False, True):
+        def make(L, on_load=on_load):
+            q, k = qk_views(L, s)
+            launches = []
+            if not on_load:
+                both = q.as_strided((s["n"], s["hq"] + s["hkv"], s["d"]), q.stride(),
+                                    q.storage_offset())  # fmt: skip
+                rotated = torch.empty(both.shape, dtype=q.dtype, device=q.device)
+                launches.append(plan_rope(both, L["cos"], L["sin"], rotated))
+                q, k = rotated[:, : s["hq"]], rotated[:, s["hq"] :]
+            work = attn_k.expert_workspace(s["n"], s["hq"], s["hkv"], s["d"], s["bucket"],
+                                           q.dtype, q.device)  # fmt: skip
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            launches += attn_k.plan_expert_attention(
+                q, L["kp"], L["vp"], k, L["vs"], s["d"] ** -0.5, L["bias"], out, work, False,
+                (L["cos"], L["sin"]) if on_load else None,
+            )  # fmt: skip
+            return out, lambda: [la.run() for la in launches]
+        yield ("rope on load" if on_load else "rope_pair, then the attention"), make
+
+
 def kernels(s):
     """(kernel, the chain, fp32 reference, output of a candidate -> comparable, candidates)."""
     n = s["n"]
@@ -317,6 +351,9 @@ def kernels(s):
         ("chain_rope_qk", lambda L: flat(rope_chain(L, s)),
          lambda L: flat(rope_chain(fp32(L), s, True)), flat,
          lambda dry: fusion_candidates(s, "rope")),
+        ("chain_rope_attention", lambda L: flat(rope_attn_chain(L, s)),
+         lambda L: flat(rope_attn_chain(fp32(L), s, True)), flat,
+         lambda dry: rope_attn_candidates(s)),
         ("expert_attention_3cam", lambda L: flat(attn_chain(L, s, "3")),
          lambda L: flat(attn_chain(fp32(L), s, "3")), flat,
          lambda dry: attn_candidates(s, dry, "3")),

@@ -8,6 +8,14 @@ value products, a permuted copy back): 1,800 per action at pi05. Here it is two 
 the split partials and decode_splitk's reduce (`FUSED_REDUCE`: one launch whose last split
 per tile reduces measured 2.9x slower on an H200, so it is kept as an option).
 
+RoPE on load (`rope=`, the chain's call, model/expert_step.py): q and the suffix k arrive as
+the q/k/v GEMM wrote them and the partials rotate them, with kernels/rope.py's arithmetic
+(the same bytes under the interpreter): one launch fewer per layer-step than a RoPE kernel
+first. Each program rotates its q tile as it loads it, by halves (a swapped full-width
+load beside the tables spilled at sm_90); the suffix programs rotate the H suffix keys
+into a scratch of their own before the softmax state is live, then read them back.
+Head dims of a power of two (pi05's 256); others are rotated by kernels/rope.py first.
+
 Grid (cdiv(H, BLOCK_M), Hkv, NUM_SPLITS), flash-decoding style: program (b, h, j) takes
 suffix tokens [b*BLOCK_M, (b+1)*BLOCK_M) x the GROUP query heads of KV head h as one
 [BLOCK_M * GROUP_PAD, BLOCK_D] query tile (the prefill tile's shape, kernels/prefill_tile.py:
@@ -41,7 +49,9 @@ import torch
 from embodied_kv.kernels.decode_splitk import MAX_SPLITS, MIN_SPLITS, plan_reduce, workspace
 from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
+from embodied_kv.kernels.rope import rope_pair
 from embodied_kv.kernels.triton_base import (
+    INTERPRETED,
     LOG2E,
     MAX_GROUP,
     MAX_HEAD_DIM,
@@ -104,6 +114,7 @@ def chunk_blocks(n_prefix: int, block_n: int, splits: int) -> int:
 
 
 if triton is not None:
+    from embodied_kv.kernels.rope import rotated
     from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
     @triton.jit
@@ -166,6 +177,20 @@ if triton is not None:
             )
 
     @triton.jit
+    def rotated_rows(x_at, tab_at, live, cos_ptr, sin_ptr, HALF: tl.constexpr,
+                     ROUND_BF16: tl.constexpr):  # fmt: skip
+        """Rows x [R, 2 HALF] at `x_at` [R, 1] rotated with kernels/rope.py's bytes, read by
+        halves (Rope's tables are [c, c] and [-s, s]: the low half's sine is the exact
+        negation of the high one's)."""
+        offs_h = tl.arange(0, HALF)[None, :]
+        x_lo = tl.load(x_at + offs_h, mask=live, other=0.0)
+        x_hi = tl.load(x_at + HALF + offs_h, mask=live, other=0.0)
+        c = tl.load(cos_ptr + tab_at + offs_h, mask=live, other=0.0)
+        s = tl.load(sin_ptr + tab_at + HALF + offs_h, mask=live, other=0.0)
+        y = tl.join(rotated(x_lo, x_hi, c, -s, ROUND_BF16), rotated(x_hi, x_lo, c, s, ROUND_BF16))
+        return tl.reshape(tl.permute(y, (0, 2, 1)), (x_lo.shape[0], 2 * HALF))
+
+    @triton.jit
     def _expert_attention_partial(
         q_ptr,  # [H, Hq, D] suffix queries
         kp_ptr,  # [P, Hkv, D] prefix keys: a slot's rows of one arena layer, in place
@@ -178,6 +203,11 @@ if triton is not None:
         acc_ptr,  # [H, Hq, NUM_SPLITS, D] fp32 out: unnormalised output per split
         count_ptr,  # [tiles * Hkv] int32 arrivals per (tile, KV head), 0 between launches
         out_ptr,  # [H, Hq, D] output, q's dtype (FUSED_REDUCE only)
+        cos_ptr,  # [H, 1, D] fp32 RoPE table [c, c] of the suffix tokens (ROPE only)
+        sin_ptr,  # [H, 1, D] fp32 [-s, s] (ROPE only)
+        stride_cn,  # cos / sin stride over tokens
+        kr_ptr,  # [tiles, Hkv, H, D] q's dtype: each suffix program's rotated suffix keys (ROPE)
+        stride_krt,  # its stride over tokens (D)
         h_len,  # H
         n_prefix,  # P
         chunk,  # prefix rows per split, a multiple of BLOCK_N
@@ -206,6 +236,8 @@ if triton is not None:
         DOT_IN_FP32: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
         FUSED_REDUCE: tl.constexpr,  # the last program of a tile combines the partials
+        ROPE: tl.constexpr,  # q and the suffix k arrive unrotated: rotate them (D a power of 2)
+        ROUND_BF16: tl.constexpr,  # the rotation rounds by hand (the interpreter truncates)
     ):
         # Grid (tiles, Hkv, NUM_SPLITS). Tile row r = (suffix token r // GROUP_PAD, query head
         # r % GROUP_PAD of KV head h); split j < NUM_SPLITS - 1 reads prefix rows
@@ -220,11 +252,27 @@ if triton is not None:
         mask_d = offs_d < HEAD_DIM
         live_r = (tok < h_len) & (g < GROUP)  # [ROWS]
         heads = kv_head * GROUP + g
-        q = tl.load(
-            q_ptr + tok[:, None] * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=live_r[:, None] & mask_d[None, :],
-            other=0.0,
-        )  # padded rows see q = 0: finite scores, no NaN
+        q_at = q_ptr + tok[:, None] * stride_qn + heads[:, None] * stride_qh
+        # padded rows see q = 0: finite scores, no NaN
+        if ROPE:  # as kernels/rope.py would have stored it: the same bytes
+            q = rotated_rows(q_at, tok[:, None] * stride_cn, live_r[:, None], cos_ptr, sin_ptr,
+                             HEAD_DIM // 2, ROUND_BF16)  # fmt: skip
+            if split == NUM_SPLITS - 1:  # rotate the suffix keys into this program's scratch
+                # before the softmax state is live (rotating them in the loop spilled at sm_90)
+                tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+                kr_ptr += tile.to(tl.int64) * h_len * stride_krt
+                for block in range(0, h_len, BLOCK_N):
+                    rows = block + offs_n
+                    live_k = (rows < h_len)[:, None]  # [BLOCK_N, 1]
+                    k = rotated_rows(
+                        ks_ptr + kv_head * stride_ksh + rows[:, None] * stride_kst,
+                        rows[:, None] * stride_cn, live_k, cos_ptr, sin_ptr, HEAD_DIM // 2,
+                        ROUND_BF16,
+                    )  # fmt: skip
+                    tl.store(kr_ptr + rows[:, None] * stride_krt + offs_d[None, :], k, mask=live_k)
+                tl.debug_barrier()  # every thread's keys stored before any is read back
+        else:
+            q = tl.load(q_at + offs_d[None, :], mask=live_r[:, None] & mask_d[None, :], other=0.0)
         m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
@@ -255,6 +303,9 @@ if triton is not None:
                 )  # fmt: skip
         else:  # the suffix, bidirectional: every row sees H >= 1 keys, so m_i is finite
             ks_base = ks_ptr + kv_head * stride_ksh
+            if ROPE:  # the rotated keys this program stored above
+                ks_base = kr_ptr
+                stride_kst = stride_krt
             vs_base = vs_ptr + kv_head * stride_vsh
             for block in range(0, h_len, BLOCK_N):
                 rows = block + offs_n
@@ -322,12 +373,14 @@ def check_workspace(work, h_len: int, hq: int, hkv: int, d: int, n_prefix: int, 
 
 
 def plan_expert_attention(
-    q, kp, vp, ks, vs, scale: float, bias, out, work=None, fused_reduce: bool = FUSED_REDUCE
-) -> list[Launch]:
+    q, kp, vp, ks, vs, scale: float, bias, out, work=None, fused_reduce: bool = FUSED_REDUCE,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> list[Launch]:  # fmt: skip
     """The launches of an expert attention call (inputs already validated; `meta` tensors
     work): one kernel whose last split of each tile reduces (fused_reduce), else the split
     partials then decode_splitk's reduce over them (same workspace layout, counters unused).
-    `work`: an `expert_workspace(...)`, allocated here if None."""
+    `work`: an `expert_workspace(...)`, allocated here if None. `rope`: (cos, sin) [H, 1, D]
+    fp32 (`Rope.at` of the suffix): q and ks arrive unrotated and are rotated as loaded."""
     h_len, hq, d = q.shape
     n_p, hkv = kp.shape[0], kp.shape[1]
     group = hq // hkv
@@ -339,13 +392,19 @@ def plan_expert_attention(
     m, l_s, acc, count = work
     tag = f"{str(q.dtype).removeprefix('torch.')} D={d} group={group} splits={splits}"
     name = "expert_attention_fused" if fused_reduce else "expert_attention"
+    cos, sin = rope if rope is not None else (bias, bias)  # never read without ROPE
+    # the suffix programs' rotated keys (ROPE): one [H, D] scratch each, held by the graph
+    tiles = -(-h_len // cfg.block_m) * hkv
+    kr = q.new_empty(tiles if rope is not None else 0, h_len, d)
     args = (
-        q, kp, vp, ks, vs, bias, m, l_s, acc, count, out, h_len, n_p, chunk, scale * LOG2E, hq,
+        q, kp, vp, ks, vs, bias, m, l_s, acc, count, out, cos, sin,
+        cos.stride(0) if rope is not None else 0, kr, d, h_len, n_p, chunk, scale * LOG2E, hq,
         q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
     )  # fmt: skip
     partial = Launch(
-        name=f"{name} {tag} block_m={cfg.block_m} block_n={cfg.block_n}",
+        name=f"{name}{'_rope' if rope is not None else ''} {tag} block_m={cfg.block_m} "
+        f"block_n={cfg.block_n}",
         kernel=_expert_attention_partial,
         grid=(-(-h_len // cfg.block_m), hkv, splits),
         args=args,
@@ -353,6 +412,8 @@ def plan_expert_attention(
             **tile_constexprs(cfg, group, d, q.dtype),
             "NUM_SPLITS": splits,
             "FUSED_REDUCE": fused_reduce,
+            "ROPE": rope is not None,
+            "ROUND_BF16": INTERPRETED and q.dtype == torch.bfloat16,
         },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -363,10 +424,12 @@ def plan_expert_attention(
 
 
 def expert_attention_kernel(
-    q, kp, vp, ks, vs, scale: float, bias, work=None, fused_reduce: bool = FUSED_REDUCE
-) -> torch.Tensor:
+    q, kp, vp, ks, vs, scale: float, bias, work=None, fused_reduce: bool = FUSED_REDUCE,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); `work`: an
-    `expert_workspace` kept by the caller, else one is allocated per call."""
+    `expert_workspace` kept by the caller, else one is allocated per call; `rope`: see
+    `plan_expert_attention`."""
     if triton is None:
         raise RuntimeError("the expert attention kernel needs triton, which is not installed")
     h_len, hq, d = q.shape
@@ -390,18 +453,55 @@ def expert_attention_kernel(
         )
     if work is not None:
         check_workspace(work, h_len, hq, hkv, d, n_p, q.dtype)
+    if rope is not None:
+        check_rope(rope, h_len, d)
     out = torch.empty(h_len, hq, d, dtype=q.dtype, device=q.device)
-    for launch in plan_expert_attention(q, kp, vp, ks, vs, scale, bias, out, work, fused_reduce):
+    for launch in plan_expert_attention(
+        q, kp, vp, ks, vs, scale, bias, out, work, fused_reduce, rope
+    ):
         launch.run()
     return out
 
 
-def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None) -> torch.Tensor:
+def rope_on_load(d: int) -> bool:
+    """The kernel rotates q and the suffix k itself for a head_dim of a power of two (it reads
+    the two halves of a row as two tiles); others are rotated before it (kernels/rope.py)."""
+    return d >= 2 and d == pow2(d)
+
+
+def check_rope(rope, h_len: int, d: int) -> None:
+    """ValueError unless `rope` is (cos, sin), fp32 [H, 1, D] with one token stride and a
+    contiguous last dim: `Rope.at` of the suffix positions, whose layout the kernel assumes
+    ([c, c] and [-s, s]; not checked, a check would read the device). RuntimeError for a D
+    the kernel does not rotate (`rope_on_load`)."""
+    if not rope_on_load(d):
+        raise RuntimeError(f"rope on load: head_dim {d} is not a power of two")
+    cos, sin = rope
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (h_len, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(
+                f"rope {name}: expected fp32 [{h_len}, 1, {d}] with a contiguous last dim, got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"rope: cos and sin strides differ, {cos.stride(0)} vs {sin.stride(0)}")
+
+
+def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None, rope=None) -> torch.Tensor:
     """Dispatch: the Triton kernel (partials + reduce, FUSED_REDUCE) on CUDA, the reference
-    elsewhere. `work`: an `expert_workspace` for these shapes, reused across calls."""
-    if use_kernel(q, kp, vp, ks, vs):
+    elsewhere. `work`: an `expert_workspace` for these shapes, reused across calls. `rope`:
+    (cos, sin) [H, 1, D] fp32 when q and ks are not rotated yet: the kernel rotates them as
+    it loads them (no RoPE launch); the reference path rotates first (kernels/rope.py
+    rope_pair), the chain's ops and bytes."""
+    kernel = use_kernel(q, kp, vp, ks, vs)
+    if rope is not None and not (kernel and rope_on_load(q.shape[-1])):
+        q, ks = rope_pair(q, ks, *rope)  # one kernel on CUDA where q, k are adjacent heads
+        rope = None
+    if kernel:
         out = try_kernel("expert_attention", expert_attention_kernel, q, kp, vp, ks, vs, scale,
-                         bias, work)  # fmt: skip
+                         bias, work, FUSED_REDUCE, rope)  # fmt: skip
         if out is not None:
             return out
+    if rope is not None:  # the kernel failed: the reference path rotates first
+        q, ks = rope_pair(q, ks, *rope)
     return expert_attention_ref(q, kp, vp, ks, vs, scale, bias)

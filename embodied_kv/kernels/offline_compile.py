@@ -27,6 +27,7 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     rms_norm        W=1024 adaptive (expert)                  4      1   32      0   0 KiB  -
     rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
     expert_attention block_m=8 (64 rows), block_n=16, 32 splits 4   2  221      0  64 KiB  wgmma
+    expert_attention_rope  the same, rotating q and the suffix k  4   2  254      0  64 KiB  wgmma
     expert_reduce   32 splits                                 4      1   43      0   2 KiB  -
     gelu_gate       F=16384 / F=4096, 1024 per program        4      1   31      0   0 KiB  -
     attn_stats      block_m=16, block_n=64 (VL-Cache)         4      2   88      0  40 KiB  mma.sync
@@ -200,8 +201,12 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     q = torch.empty(50, hq, d, dtype=torch.bfloat16, device="meta")
     kv = torch.empty(1024, hkv, d, dtype=torch.bfloat16, device="meta")
     bias = torch.empty(1024 + 50, device="meta")
-    for att in plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q):
-        launches.setdefault(att.name, att)
+    # unrotated q and suffix k with the suffix's RoPE tables (the chain) and rotated ones
+    tables = (torch.empty(50, 1, d, device="meta"),) * 2
+    for rope in (tables, None):
+        for att in plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q,
+                                         rope=rope):  # fmt: skip
+            launches.setdefault(att.name, att)
     # VL-Cache's statistics: the prompt text's rows (here 64) over a 3-camera prefix (1024 rows)
     q = torch.empty(64, hq, d, dtype=torch.bfloat16, device="meta")
     blocks = -(-64 // STATS_BLOCK_M)

@@ -42,6 +42,14 @@ if triton is not None:
     from embodied_kv.kernels.triton_base import round_bf16
 
     @triton.jit
+    def rotated(x, xs, cos, sin, ROUND_BF16: tl.constexpr):
+        """x * cos + xs * sin (xs: x with its halves swapped) in fp32, rounded as this
+        module's kernel stores it, in x's dtype: the one RoPE arithmetic of every kernel that
+        rotates (kernels/expert_attention.py rotates its q and suffix k as it loads them)."""
+        y = x.to(tl.float32) * cos + xs.to(tl.float32) * sin
+        return round_bf16(y, ROUND_BF16).to(x.dtype)
+
+    @triton.jit
     def _rope_fwd(
         x_ptr,  # [N, H, D] input
         cos_ptr,  # [N, 1, D] fp32 [c, c] per token
@@ -63,12 +71,11 @@ if triton is not None:
         mask = (offs_h[:, None] < n_heads) & mask_d[None, :]
         swap_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
         base = x_ptr + tok * stride_xn + offs_h[:, None] * stride_xh
-        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        xs = tl.load(base + swap_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
+        xs = tl.load(base + swap_d[None, :], mask=mask, other=0.0)
         cos = tl.load(cos_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
         sin = tl.load(sin_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
-        y = x * cos[None, :] + xs * sin[None, :]
-        y = round_bf16(y, ROUND_BF16)
+        y = rotated(x, xs, cos[None, :], sin[None, :], ROUND_BF16)
         out = out_ptr + tok * n_heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 

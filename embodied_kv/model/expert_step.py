@@ -15,11 +15,11 @@ against each other in test/model/test_expert_step.py. `fused_ready` picks: the f
 needs the q/k/v and gate/up fusions in use (CUDA inference) and the tensors on CUDA; and
 model/expert.py FUSED_LAYER_STEP, False since an H200 measured the chain faster.
 
-The chain as CUDA runs it: 10 kernels per layer-step (the q/k/v GEMM, RoPE over q and k in
-one launch, the attention's partials and reduce, o_proj, the gated residual with the
-post-attention norm in one kernel (kernels/gated_rms_norm.py), gate/up, GELU-gate, down, and
-the gated residual with the next norm, the next layer's input norm or the final one, in
-one); on the CPU the same ops one by one, the bytes unchanged.
+The chain as CUDA runs it: 9 kernels per layer-step (the q/k/v GEMM, the attention's
+partials, which rotate q and the suffix k as they load them, and its reduce, o_proj, the
+gated residual with the post-attention norm in one kernel (kernels/gated_rms_norm.py),
+gate/up, GELU-gate, down, and the gated residual with the next norm, the next layer's input
+norm or the final one, in one); on the CPU the same ops one by one, the bytes unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from embodied_kv.kernels.gated_rms_norm import gated_rms_norm
 from embodied_kv.kernels.gemm_residual import linear_gated_residual
 from embodied_kv.kernels.norm_gate_up import norm_gate_up
 from embodied_kv.kernels.norm_qkv_rope import norm_qkv_rope
-from embodied_kv.model.layers import GemmaLayer, Rope
+from embodied_kv.model.layers import GemmaLayer
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,10 @@ def layer_step_ref(
     if xn is None:
         xn = layer.input_layernorm.modulate(h, s.scale1[0], s.shift[0])
     q, k, v = attn.qkv(xn)
-    q, k = Rope.rotate_pair(q, k, s.cos_sin)  # one kernel on CUDA with the fused q/k/v
-    o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias)  # one kernel on CUDA
+    # RoPE on q and k, then the attention: on CUDA the attention's partials and reduce, which
+    # rotate q and k as they load them (the bytes of kernels/rope.py), elsewhere the same
+    # ops one by one
+    o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias, rope=s.cos_sin)
     # addcmul, then the post-attention norm: one kernel on CUDA (kernels/gated_rms_norm.py)
     h, xn = gated_rms_norm(h, attn.o_proj(o.reshape(h_len, -1)), s.gate[0], s.scale1[1],
                            s.shift[1], layer.post_attention_layernorm.eps)  # fmt: skip

@@ -22,7 +22,8 @@ def test_dry_sweep_checks_every_kernel_against_fp32(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["kernels"]) == {
         "expert_attention", "norm_qkv_rope", "norm_gate_up", "gated_residual_o",
-        "gated_residual_down", "chain_gated_rms_norm", "chain_rope_qk", "expert_attention_3cam",
+        "gated_residual_down", "chain_gated_rms_norm", "chain_rope_qk", "chain_rope_attention",
+        "expert_attention_3cam",
     }  # fmt: skip
     for name, row in result["kernels"].items():
         assert row["candidates"], name

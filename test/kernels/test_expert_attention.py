@@ -15,6 +15,8 @@ from embodied_kv.kernels.expert_attention import (
     split_count,
 )
 from embodied_kv.kernels.prefill_tile import tile_config
+from embodied_kv.kernels.rope import rope_kernel, rope_pair
+from embodied_kv.model.layers import Rope
 from embodied_kv.model.vla import DENOISE_BUCKETS
 
 from .conftest import DEVICE, FP32_TOL, HEADS, LOW_PRECISION_FACTOR
@@ -155,3 +157,49 @@ def test_workspace_of_another_shape_is_refused(kernel):
         expert_attention_kernel(*b, work=work)
     out = expert_attention_kernel(*b, work=_work(b[0], b[1]))  # its own: fine
     torch.testing.assert_close(out, finite_ref(*b), atol=FP32_TOL, rtol=FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("case", "heads"), [("bucket", "gqa3"), ("pi05_bucket", "pi05"), ("exact", "mha")]
+)
+def test_rope_on_load_is_the_rope_kernel_then_the_attention_bytewise(kernel, dtype, case, heads):
+    """The chain hands q and the suffix k over unrotated, as adjacent heads of the fused
+    q/k/v output, with the suffix's RoPE tables: the kernel rotates them as it loads them,
+    the same bytes as kernels/rope.py's rotation stored first (irregular positions; the
+    suffix ends mid-tile). The dispatcher's reference path (rope_pair, then the reference)
+    agrees within the low-precision tolerance."""
+    q, kp, vp, ks, vs, scale, bias = inputs(case, HEADS[heads], dtype, seed=3)
+    h_len, hq, d = q.shape
+    hkv = kp.shape[1]
+    qkv = torch.cat([q, ks, vs], dim=1)  # [H, Hq + 2 Hkv, D]: the fused GEMM's layout
+    q, ks, vs = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    rope = Rope(d, 2048, 10000.0).to(DEVICE)
+    rope.reset_tables()
+    positions = torch.randint(0, 2048, (h_len,), generator=torch.Generator().manual_seed(4))
+    cos, sin = rope.at(positions.to(DEVICE))
+    rq, rk = rope_kernel(q, cos, sin), rope_kernel(ks, cos, sin)
+    want = expert_attention_kernel(rq, kp, vp, rk, vs, scale, bias, fused_reduce=False)
+    got = expert_attention_kernel(
+        q, kp, vp, ks, vs, scale, bias, fused_reduce=False, rope=(cos, sin)
+    )
+    assert torch.equal(got, want)
+    rq, rk = rope_pair(q, ks, cos, sin)  # on a CPU: rope_ref, the chain's bytes
+    ref = finite_ref(*(t.float() for t in (rq, kp, vp, rk, vs)), scale, bias)
+    tol = FP32_TOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_rope_tables_of_another_shape_are_refused(kernel):
+    q, kp, vp, ks, vs, scale, bias = inputs("exact", HEADS["mqa4"])
+    cos = torch.zeros(q.shape[0] + 1, 1, q.shape[2], device=DEVICE)
+    with pytest.raises(ValueError, match="rope cos"):
+        expert_attention_kernel(q, kp, vp, ks, vs, scale, bias, rope=(cos, cos))
+
+
+def test_rope_on_load_takes_power_of_two_head_dims_only(kernel):
+    """gqa2's head_dim 48: the kernel refuses to rotate; the dispatcher's path rotates first."""
+    q, kp, vp, ks, vs, scale, bias = inputs("exact", HEADS["gqa2"])
+    cos = torch.zeros(q.shape[0], 1, q.shape[2], device=DEVICE)
+    with pytest.raises(RuntimeError, match="power of two"):
+        expert_attention_kernel(q, kp, vp, ks, vs, scale, bias, rope=(cos, cos))

@@ -27,11 +27,11 @@ CHUNK_ATOL = 1e-4
 # inside (issue 33 asked <= 5), 6 again since an H200 timed that reduce inside at 39.4 us a
 # call against 13.7 us for partials + reduce (kernels/expert_attention.py FUSED_REDUCE).
 MAX_KERNELS_PER_LAYER_STEP = 5 if FUSED_REDUCE else 6
-# The chain (CUDA's default, model/expert.py FUSED_LAYER_STEP): q/k/v GEMM, RoPE over q and k,
-# the attention's partials + reduce, o_proj, gated residual + post-attention norm, gate/up,
-# GELU-gate, down, gated residual + the next layer's input norm (kernels/gated_rms_norm.py,
-# kernels/rope.py rope_pair): 10, from 13 (2026-12-04).
-CHAIN_KERNELS_PER_LAYER_STEP = 10
+# The chain (CUDA's default, model/expert.py FUSED_LAYER_STEP): q/k/v GEMM, the attention's
+# partials (RoPE on q and k as they are loaded) + reduce, o_proj, gated residual +
+# post-attention norm, gate/up, GELU-gate, down, gated residual + the next layer's input norm
+# (kernels/gated_rms_norm.py): 9, from 13 (10 on 2026-12-04, then RoPE into the attention).
+CHAIN_KERNELS_PER_LAYER_STEP = 9
 
 
 def prefilled(m, seed=3):
