@@ -39,7 +39,8 @@ DRY_BUDGET_S = 240.0
 # (the slowest last: test_row_bucket's CUDA arena test was still running at 135 s on an H200)
 CUDA_TESTS = (
     "test/model/test_expert_step.py", "test/kernels/test_expert_attention.py",
-    "test/kernels/test_gated_rms_norm.py", "test/kernels/test_flow_io.py",
+    "test/kernels/test_gated_rms_norm.py", "test/kernels/test_rope_store.py",
+    "test/kernels/test_flow_io.py",
     "test/engine/test_rtc.py", "test/engine/test_graphs.py", "test/model/test_flow_constants.py",
     "test/engine/test_frame_loop.py", "test/model/test_vision_fast.py", "test/model/test_rtc.py",
     "test/model/test_camera_frames.py", "test/kernels/test_row_bucket.py",

@@ -91,6 +91,19 @@ def rope_pair_cost(q, k, cos, sin) -> tuple[float, float] | list[tuple[float, fl
     return [rope_cost(q, cos, sin), rope_cost(k, cos, sin)]
 
 
+def rope_store_cost(q, k, v, cos, sin, k_cache, v_cache, slot, row) -> tuple[float, float]:
+    """kernels/rope_store.py: q, k and v read once, q written, k and v written into the
+    arena, the tables' rows and the indices read."""
+    moved = 2.0 * (q.numel() + k.numel() + v.numel()) * q.element_size()
+    return 3.0 * (q.numel() + k.numel()), moved + 2 * cos.numel() * 4 + 2 * slot.nbytes
+
+
+def add_rms_norm_cost(h, y, weight, eps) -> tuple[float, float]:
+    """The backbone's residual add + RMSNorm (kernels/gated_rms_norm.py add_rms_norm): h and
+    y read once, the stream and the norm written once."""
+    return 7.0 * h.numel(), 4.0 * h.numel() * h.element_size() + weight.nbytes
+
+
 def gated_rms_norm_cost(h, y, gate, scale1, shift, eps) -> tuple | list:
     """kernels/gated_rms_norm.py: h and y read once, the stream and the norm written once;
     with a per-row modulation (CUDA runs the references there) addcmul, then the norm."""
@@ -196,8 +209,9 @@ def as_one_kernel(census: Census, module, name: str, cost):
 @contextmanager
 def cuda_kernels(census: Census):
     """What runs as one Triton kernel on CUDA but as its torch reference here: the
-    backbone's packed attention, the expert's attention, every RMSNorm (plain and
-    adaptive), RoPE rotation and GELU-gate product, the vision tower's add + LayerNorm
+    backbone's packed attention, its RoPE with the K/V store and its residual adds with the
+    RMSNorm after each, the expert's attention, every RMSNorm (plain and adaptive), RoPE
+    rotation and GELU-gate product, the vision tower's add + LayerNorm
     (model/vision_fast.py), and the expert's fused layer-step
     (model/expert_step.py), taken where the fusions are in use as CUDA takes it."""
     import embodied_kv.kernels.add_layer_norm as residual_norm
@@ -215,6 +229,8 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, layers, "rope_rotate", rope_cost),
         as_one_kernel(census, layers, "rope_pair", rope_pair_cost),
         as_one_kernel(census, step, "gated_rms_norm", gated_rms_norm_cost),
+        as_one_kernel(census, backbone, "rope_store", rope_store_cost),
+        as_one_kernel(census, backbone, "add_rms_norm", add_rms_norm_cost),
         as_one_kernel(census, expert, "action_in", action_in_cost),
         as_one_kernel(census, expert, "euler_out", euler_out_cost),
         as_one_kernel(census, step, "expert_attention", expert_attention_cost),

@@ -56,6 +56,7 @@ from embodied_kv.kernels import (
     gemm_residual,
     norm_gate_up,
     norm_qkv_rope,
+    rope_store,
 )
 from embodied_kv.kernels.add_layer_norm import plan_add_layer_norm
 from embodied_kv.kernels.attn_stats import BLOCK_M as STATS_BLOCK_M
@@ -235,6 +236,7 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     fused = norm_qkv_rope.pi05_launches() + norm_gate_up.pi05_launches()
     # and the chain's (CUDA's default): addcmul + the post-attention norm in one kernel
     chain = gated_rms_norm.pi05_launches() + flow_io.pi05_launches()  # and the flow's head
+    chain += rope_store.pi05_launches()  # the backbone's RoPE + K/V store
     for launch in fused + gemm_residual.pi05_launches() + chain:
         launches.setdefault(launch.name, launch)
     return list(launches.values())

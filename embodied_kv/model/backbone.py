@@ -15,12 +15,13 @@ import math
 import torch
 from torch import nn
 
+from embodied_kv.kernels.gated_rms_norm import add_rms_norm
 from embodied_kv.kernels.packed_attention import (
     RefPlan,
     packed_attention,
     plan_ref,
 )
-from embodied_kv.kernels.triton_base import as_dtype
+from embodied_kv.kernels.rope_store import rope_store
 from embodied_kv.model.config import GemmaConfig
 from embodied_kv.model.layers import GemmaLayer, RMSNorm, Rope
 from embodied_kv.storage.arena import KVArena
@@ -53,10 +54,12 @@ class GemmaBackbone(nn.Module):
         assert x.shape[0] == step.n_padded
         cos_sin = self.rope.at(step.position)
         plans = self._ref_plans(step, arena) if step.runs is not None and not x.is_cuda else None
+        xn, last = self.layers[0].input_layernorm(x), len(self.layers) - 1
         for i in range(len(self.layers)):
             plan = None if plans is None else plans[i]
-            x, _ = self.layer_forward(i, x, cos_sin, step, arena, observer, plan)
-        return self.norm(x)
+            after = self.norm if i == last else self.layers[i + 1].input_layernorm
+            x, _, xn = self._layer(i, x, xn, cos_sin, step, arena, observer, plan, after)
+        return xn
 
     def layer_forward(
         self,
@@ -75,14 +78,22 @@ class GemmaBackbone(nn.Module):
         through this same function, so its full-set case is this forward in bytes. `plan`:
         the reference attention's plan for this layer's lengths (`_ref_plans`); without it
         the reference makes its own (same bytes)."""
+        x, q, _ = self._layer(i, x, None, cos_sin, step, arena, observer, plan, None)
+        return x, q
+
+    def _layer(self, i, x, xn, cos_sin, step, arena, observer, plan, after):
+        """`layer_forward` -> (x, q, after(x) or None). `xn`: the layer's input norm of x where
+        the previous layer's closing kernel computed it; `after`: the RMSNorm that follows
+        (the next layer's input norm or the final one), which on CUDA runs in one kernel
+        with the residual add before it, as the post-attention norm does with its add
+        (kernels/gated_rms_norm.py add_rms_norm); on the CPU the same ops one by one."""
         layer = self.layers[i]
         attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x))
-        q, k = self.rope.rotate(q, cos_sin), self.rope.rotate(k, cos_sin)
+        q, k, v = attn.qkv(layer.input_layernorm(x) if xn is None else xn)
         k_cache, v_cache = arena.k[i], arena.v[i]
         row, kv_len = step.row[i], step.kv_len[i]
-        k_cache[step.slot, row] = as_dtype(k, k_cache.dtype)
-        v_cache[step.slot, row] = as_dtype(v, v_cache.dtype)
+        # RoPE on q and k, then k and v into their arena rows: one kernel on CUDA
+        q = rope_store(q, k, v, *cos_sin, k_cache, v_cache, step.slot, row)
         if observer is not None:  # VL-Cache statistics (kv/compress.py)
             observer(i, q, k_cache)
         if step.runs is None:
@@ -99,9 +110,13 @@ class GemmaBackbone(nn.Module):
                 step.kv_len_host[i],
                 plan=plan,
             )
-        x = x + attn.project_out(o.reshape(x.shape[0], -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x, q
+        post = layer.post_attention_layernorm
+        x, xn = add_rms_norm(x, attn.project_out(o.reshape(x.shape[0], -1)), post.weight, post.eps)
+        y = layer.mlp(xn)
+        if after is None:
+            return x + y, q, None
+        x, xn = add_rms_norm(x, y, after.weight, after.eps)
+        return x, q, xn
 
     def _ref_plans(self, step: PackedStep, arena: KVArena) -> list[RefPlan]:
         """The reference attention's plan per layer, made once per distinct kv_len row: every

@@ -6,6 +6,7 @@ import torch
 from embodied_kv.bench.estimate import H100, action_census, scaled
 from embodied_kv.bench.kernel_census import Census, Roofline
 from embodied_kv.model.config import get_preset
+from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.vla import build_model
 
 
@@ -56,3 +57,21 @@ def test_a_kernel_whose_longest_program_loops_long_costs_its_chain():
     assert abs(t.busy_s - (40e-6 + 2e-6 + 1e9 / H100["bytes_per_s"])) < 1e-12
     compute, memory = 1e6 / H100["flops_per_s"], 1e9 / H100["bytes_per_s"]
     assert abs(t.ideal_s - (2 * compute + memory)) < 1e-15  # the limit has no latency
+
+
+# The backbone's layer as CUDA runs it with the fused projections: the q/k/v GEMM, RoPE with
+# the K/V store (kernels/rope_store.py), the attention, o_proj, the residual add + the
+# post-attention norm, gate/up, GELU-gate, down, the residual add + the next norm
+# (kernels/gated_rms_norm.py add_rms_norm): 9, from 14 (2026-12-04: the two rotations, two
+# index_put copies, two adds and a norm each apart).
+PREFILL_KERNELS_PER_LAYER = 9
+
+
+def test_prefill_kernels_per_layer():
+    by_depth = {}
+    for depth in (1, 2):
+        m = build_model(get_preset("tiny", layers=depth, vision_layers=depth), dtype=torch.bfloat16)
+        fuse_projections(m)  # as on CUDA
+        by_depth[depth] = action_census(m, 2, 16, graph_pad=True)
+    per_layer = by_depth[2]["prefill"].kernels - by_depth[1]["prefill"].kernels
+    assert per_layer == PREFILL_KERNELS_PER_LAYER, per_layer

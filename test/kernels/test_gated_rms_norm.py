@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from embodied_kv.kernels.gated_rms_norm import (
+    add_rms_norm,
+    add_rms_norm_ref,
     gated_rms_norm,
     gated_rms_norm_kernel,
     gated_rms_norm_ref,
 )
-from embodied_kv.kernels.rms_norm import rms_norm_ref
+from embodied_kv.kernels.rms_norm import rms_norm_kernel, rms_norm_ref
 from embodied_kv.kernels.rope import adjacent_heads, rope_kernel, rope_pair, rope_ref
 
 from .conftest import DEVICE, FP32_TOL, LOW_PRECISION_FACTOR
@@ -125,3 +127,33 @@ def test_separate_buffers_are_not_adjacent():
     assert not adjacent_heads(q, k)
     q2, k2, _ = qkv_views(3, 4, 1, 16, torch.float32)
     assert not adjacent_heads(q2[:2], k2[:2].clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 48), (7, 100), (33, 2048)])  # pi05's backbone: 2048
+def test_add_rms_norm_is_the_add_then_the_rms_norm_kernel_bytewise(kernel, dtype, rows, width):
+    """The backbone's residual add + Gemma RMSNorm (no gate, no shift, 1 + weight): the same
+    bytes as torch's add followed by kernels/rms_norm.py's kernel, which CUDA ran before;
+    within fp32 tolerance of the CPU's reference."""
+    h, y, _, _, _ = inputs(rows, width, dtype, seed=5)
+    weight = (0.2 * torch.randn(width, generator=torch.Generator().manual_seed(6))).to(DEVICE)
+    s, out = gated_rms_norm_kernel(h, y, None, weight, None, EPS)
+    s_ref = h + y
+    assert torch.equal(s, s_ref)
+    assert torch.equal(out, rms_norm_kernel(s_ref, weight, EPS, None, True))
+    ref = add_rms_norm_ref(h.float(), y.float(), weight, EPS)
+    tol = FP32_TOL if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref[1], atol=tol, rtol=tol)
+
+
+def test_add_rms_norm_dispatch_on_this_device():
+    """On a CPU the dispatcher runs the reference ops (the CPU's bytes); on CUDA the kernel."""
+    h, y, _, _, _ = inputs(7, 100, torch.float32, seed=7)
+    weight = 0.1 * torch.ones(100, device=DEVICE)
+    got = add_rms_norm(h, y, weight, EPS)
+    want = add_rms_norm_ref(h, y, weight, EPS)
+    if DEVICE == "cpu":
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    else:
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=FP32_TOL, rtol=FP32_TOL)

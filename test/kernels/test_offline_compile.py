@@ -38,7 +38,7 @@ def test_pi05_kernels_compile_for_sm90_without_spills(tmp_path):
     want |= {"expert_attention", "expert_attention_rope", "expert_reduce", "gelu_gate"}
     want |= {"attn_stats"}
     want |= {"norm_qkv_rope", "norm_gate_up", "linear_gated_residual", "add_layer_norm"}
-    want |= {"gated_rms_norm", "flow_action_in", "flow_euler_out"}
+    want |= {"gated_rms_norm", "add_rms_norm", "flow_action_in", "flow_euler_out", "rope_store"}
     assert kernels == want, kernels
     assert {r["arch"] for r in rows} == {90}
     for r in rows:
