@@ -14,6 +14,10 @@ to the host. No language request runs (narration off), so nothing else shares th
             (~13 kernels; model/expert.py FUSED_LAYER_STEP), or the chain where it runs
             the fused kernels; rows carry `graphs_fused_ms`, `graphs_unfused_ms` and
             `unfused_over_fused`: which one wins on this GPU.
+    graphs_prev (with graphs_alt) the product's path without the fusions no GPU has timed
+            yet (RoPE inside the expert's attention; the backbone's RoPE + K/V store and
+            residual add + RMSNorm kernels): the ops as 2026-12-04's H200 ran them; rows
+            carry `graphs_prev_ms` and `prev_over_graphs` (> 1: the fusions pay).
     eager   the same engine and weights with graphs off: every op launched from Python,
             as LeRobot's `select_action` runs pi0.5.
 
@@ -133,7 +137,7 @@ def measure(
                 continue
             engine = engines["graphs" if name == "graphs_frames" else name]
             model.graphs = engine.graphs  # the engines share the model (and its weights)
-            model.expert.fused_layer_step = layer_step(name)
+            configure(model, name)
             engine.observe(camera_frames(obs, frames, r) if name == "graphs_frames" else obs)
             res = engine.cycle(engine.frame * engine.cfg.replan_every)
             prefix = res.prefix_len
@@ -147,6 +151,14 @@ def layer_step(engine: str) -> bool:
     return FUSED_LAYER_STEP != (engine == "graphs_alt")
 
 
+def configure(model, engine: str) -> None:
+    """The model's switches as `engine` runs (and captured) it: the expert's layer-step, and
+    for graphs_prev the untimed fusions off (model/expert.py rope_in_attention,
+    model/backbone.py fused_epilogues)."""
+    model.expert.fused_layer_step = layer_step(engine)
+    model.expert.rope_in_attention = model.backbone.fused_epilogues = engine != "graphs_prev"
+
+
 def run(args, env: harness.Environment) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     depth = args.layers or None  # reduced depth: the code path at real widths on a CPU
@@ -157,13 +169,14 @@ def run(args, env: harness.Environment) -> dict:
     unfused = args.device == "cuda" or args.unfused_row
     if unfused:
         engines["graphs_alt"] = engine_for(model, mode, 2)
+        engines["graphs_prev"] = engine_for(model, mode, 2)
     if args.rtc:  # the guided loop from its graph (docs/rtc.md); guided from its 2nd chunk on
         rtc = RTCConfig(enabled=True, guidance=args.rtc)
         engines["graphs_rtc"] = engine_for(model, mode, 2, rtc)
     obs = synthetic_observation(cfg, 0, INSTRUCTION)
     for name, e in engines.items():
         model.graphs = e.graphs
-        model.expert.fused_layer_step = layer_step(name)  # captured as it is now
+        configure(model, name)  # captured as it is now
         e.observe(obs)
         e.warmup()  # captures every graph (configure time); nothing is captured after
         e.begin_episode()
@@ -210,6 +223,9 @@ def run(args, env: harness.Environment) -> dict:
                          "graphs_unfused_ms": harness.Stats.of(u).as_dict(),
                          "unfused_over_fused": harness.ratio(u, f),
                          "layer_step": "fused" if FUSED_LAYER_STEP else "unfused"}  # fmt: skip
+            p = m["samples"]["graphs_prev"]
+            rows[-1] |= {"graphs_prev_ms": harness.Stats.of(p).as_dict(),
+                         "prev_over_graphs": harness.ratio(p, g)}  # fmt: skip
         ours = g if mode == "cuda" else e  # the product's path: graphs on CUDA, eager on a CPU
         for name in peers:
             p = m["samples"][name]
@@ -239,7 +255,7 @@ def run(args, env: harness.Environment) -> dict:
             row["kernels"] = kernel_profile.top_kernels(model, engines["graphs"], obs)
             harness.progress(env, f"{cams} cameras profiled")
     model.graphs = None
-    model.expert.fused_layer_step = FUSED_LAYER_STEP
+    configure(model, "graphs")
     peer = None
     if args.peer:
         peer = {"name": args.peer, "pinned": lerobot_peer.PINNED, "unavailable": peer_reason,
@@ -331,6 +347,12 @@ def report(result: dict) -> None:
                   f"{r['graphs_fused_ms']['median']:.2f} ms: unfused = {ratio:.2f}x fused; the "
                   f"product runs {own}" + ("  LOSS: the other layer-step is faster here"
                                            if lost else ""))  # fmt: skip
+        if "graphs_prev_ms" in r:
+            ratio = r["prev_over_graphs"]
+            lost = ratio < 1 and result["graph_mode"] != "emulate"
+            print(f"{r['cameras']} cameras: without the untimed fusions (graphs_prev) "
+                  f"{r['graphs_prev_ms']['median']:.2f} ms = {ratio:.2f}x the product's path"
+                  + ("  LOSS: the fusions are slower here" if lost else ""))  # fmt: skip
         if "graphs_frames_ms" in r:
             h, w = r["frames_hw"]
             print(f"{r['cameras']} cameras: camera frames ({h}x{w} uint8, converted on the "

@@ -173,12 +173,13 @@ def gated_rms_norm(h, y, gate, scale1, shift, eps: float) -> tuple[torch.Tensor,
     return gated_rms_norm_ref(h, y, gate, scale1, shift, eps)
 
 
-def add_rms_norm(h, y, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(h, y, weight, eps: float, fused: bool = True) -> tuple[torch.Tensor, ...]:
     """The backbone's residual add and the Gemma RMSNorm after it -> (h + y, its norm with
     1 + weight). Dispatch: one kernel on CUDA at inference (2-D rows, an fp32 [W] weight),
-    the reference (the add, then kernels/rms_norm.py) elsewhere."""
+    the reference (the add, then kernels/rms_norm.py) elsewhere and with `fused=False` (the
+    two ops as the backbone ran them before: bench latency's `graphs_prev`)."""
     w = h.shape[-1]
-    fits = h.dim() == 2 and weight.shape == (w,) and weight.dtype == torch.float32
+    fits = fused and h.dim() == 2 and weight.shape == (w,) and weight.dtype == torch.float32
     if fits and y.shape == h.shape and use_kernel(h, y, weight):
         out = try_kernel("add_rms_norm", gated_rms_norm_kernel, h, y, None, weight, None, eps)
         if out is not None:

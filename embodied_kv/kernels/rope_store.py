@@ -164,10 +164,12 @@ def rope_store_kernel(q, k, v, cos, sin, k_cache, v_cache, slot, row) -> torch.T
     return out
 
 
-def rope_store(q, k, v, cos, sin, k_cache, v_cache, slot, row) -> torch.Tensor:
+def rope_store(q, k, v, cos, sin, k_cache, v_cache, slot, row, fused=True) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA at inference, the reference elsewhere. Returns the
-    rotated q; the rotated k and v are in the arena."""
-    if use_kernel(q, k, v, k_cache, v_cache) and supported(q, k, v, k_cache, v_cache):
+    rotated q; the rotated k and v are in the arena. `fused=False`: the reference's ops
+    (each RoPE dispatched: kernels on CUDA), as the backbone ran before this kernel (bench
+    latency's `graphs_prev`)."""
+    if fused and use_kernel(q, k, v, k_cache, v_cache) and supported(q, k, v, k_cache, v_cache):
         out = try_kernel("rope_store", rope_store_kernel, q, k, v, cos, sin, k_cache, v_cache,
                          slot, row)  # fmt: skip
         if out is not None:

@@ -37,6 +37,9 @@ class GemmaBackbone(nn.Module):
         self.norm = RMSNorm(cfg.width, cfg.rms_eps)
         self.rope = Rope(cfg.head_dim, max_pos, cfg.rope_theta)
         self.scale = cfg.head_dim**-0.5
+        # RoPE with the K/V store, and the residual adds with the norms after them, one
+        # kernel each on CUDA; False: the ops apart (bench latency's graphs_prev)
+        self.fused_epilogues = True
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [N] -> [N, W], scaled by sqrt(width) (Gemma)."""
@@ -93,7 +96,8 @@ class GemmaBackbone(nn.Module):
         k_cache, v_cache = arena.k[i], arena.v[i]
         row, kv_len = step.row[i], step.kv_len[i]
         # RoPE on q and k, then k and v into their arena rows: one kernel on CUDA
-        q = rope_store(q, k, v, *cos_sin, k_cache, v_cache, step.slot, row)
+        fused = self.fused_epilogues
+        q = rope_store(q, k, v, *cos_sin, k_cache, v_cache, step.slot, row, fused)
         if observer is not None:  # VL-Cache statistics (kv/compress.py)
             observer(i, q, k_cache)
         if step.runs is None:
@@ -111,11 +115,12 @@ class GemmaBackbone(nn.Module):
                 plan=plan,
             )
         post = layer.post_attention_layernorm
-        x, xn = add_rms_norm(x, attn.project_out(o.reshape(x.shape[0], -1)), post.weight, post.eps)
+        y = attn.project_out(o.reshape(x.shape[0], -1))
+        x, xn = add_rms_norm(x, y, post.weight, post.eps, fused)
         y = layer.mlp(xn)
         if after is None:
             return x + y, q, None
-        x, xn = add_rms_norm(x, y, after.weight, after.eps)
+        x, xn = add_rms_norm(x, y, after.weight, after.eps, fused)
         return x, q, xn
 
     def _ref_plans(self, step: PackedStep, arena: KVArena) -> list[RefPlan]:

@@ -55,6 +55,9 @@ class ActionExpert(nn.Module):
         self.workspaces = WorkspaceCache()  # split-K buffers of the fused layer-step (CUDA)
         # True: CUDA runs the five fused kernels (model/expert_step.py); False: the chain
         self.fused_layer_step = FUSED_LAYER_STEP
+        # the chain's attention rotates q and k itself (kernels/expert_attention.py rope=);
+        # False: a RoPE launch before it (bench latency's graphs_prev)
+        self.rope_in_attention = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -185,12 +188,14 @@ class ActionExpert(nn.Module):
             if self.takes_fused(mod, layer, h):
                 h, xn = layer_step_fused(layer, h, inputs, self.workspaces), None
             elif i < last and self.takes_fused(mod, self.layers[i + 1], h):
-                h, xn = layer_step_ref(layer, h, inputs, xn), None
+                h = layer_step_ref(layer, h, inputs, xn, rope_in_attention=self.rope_in_attention)
+                xn = None
             else:  # the closing residual and the norm after it: one kernel on CUDA
                 nxt = self.norm if i == last else self.layers[i + 1].input_layernorm
                 jn = -1 if i == last else j + 2
                 h, xn = layer_step_ref(layer, h, inputs, xn,
-                                       (mod.scale1[jn, k], mod.shift[jn, k], nxt.eps))  # fmt: skip
+                                       (mod.scale1[jn, k], mod.shift[jn, k], nxt.eps),
+                                       self.rope_in_attention)  # fmt: skip
         if xn is None:
             xn = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
         return xn

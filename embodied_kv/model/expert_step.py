@@ -37,7 +37,7 @@ from embodied_kv.kernels.gated_rms_norm import gated_rms_norm
 from embodied_kv.kernels.gemm_residual import linear_gated_residual
 from embodied_kv.kernels.norm_gate_up import norm_gate_up
 from embodied_kv.kernels.norm_qkv_rope import norm_qkv_rope
-from embodied_kv.model.layers import GemmaLayer
+from embodied_kv.model.layers import GemmaLayer, Rope
 
 
 @dataclass(frozen=True)
@@ -75,13 +75,16 @@ def layer_step_ref(
     s: StepInputs,
     xn: torch.Tensor | None = None,
     next_norm: NextNorm | None = None,
+    rope_in_attention: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The chain, op for op (the CPU bytes): h [H, W] -> h after the layer.
 
     `xn`: the layer's input norm of h where the previous layer's last kernel computed it.
     `next_norm`: the adaRMS norm that follows the layer (the next layer's input norm, or
     the expert's final one): the closing gated residual and that norm run as one kernel on
-    CUDA, and the result is (h, its norm). On the CPU the same ops in the same order."""
+    CUDA, and the result is (h, its norm). On the CPU the same ops in the same order.
+    `rope_in_attention=False`: RoPE's own launch before the attention (the chain before the
+    attention rotated them: bench latency's `graphs_prev`)."""
     attn, h_len = layer.self_attn, h.shape[0]
     if xn is None:
         xn = layer.input_layernorm.modulate(h, s.scale1[0], s.shift[0])
@@ -89,7 +92,10 @@ def layer_step_ref(
     # RoPE on q and k, then the attention: on CUDA the attention's partials and reduce, which
     # rotate q and k as they load them (the bytes of kernels/rope.py), elsewhere the same
     # ops one by one
-    o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias, rope=s.cos_sin)
+    if not rope_in_attention:
+        q, k = Rope.rotate_pair(q, k, s.cos_sin)  # one kernel on CUDA with the fused q/k/v
+    rope = s.cos_sin if rope_in_attention else None
+    o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias, rope=rope)
     # addcmul, then the post-attention norm: one kernel on CUDA (kernels/gated_rms_norm.py)
     h, xn = gated_rms_norm(h, attn.o_proj(o.reshape(h_len, -1)), s.gate[0], s.scale1[1],
                            s.shift[1], layer.post_attention_layernorm.eps)  # fmt: skip

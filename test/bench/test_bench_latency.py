@@ -6,6 +6,8 @@ import pytest
 
 from embodied_kv.bench import latency, latency_breakdown, limit
 from embodied_kv.model.config import get_preset
+from embodied_kv.model.expert import FUSED_LAYER_STEP
+from embodied_kv.model.vla import build_model
 
 
 def test_bench_latency_breakdown_json(tmp_path, capsys):
@@ -117,4 +119,19 @@ def test_bench_latency_unfused_row(tmp_path, capsys):
     for r in json.loads(out.read_text())["rows"]:
         assert r["graphs_unfused_ms"]["median"] > 0 and r["unfused_over_fused"] > 0
         assert r["graphs_fused_ms"]["median"] > 0 and r["layer_step"] in ("fused", "unfused")
-    assert "layer-step unfused (the chain)" in capsys.readouterr().out
+        assert r["graphs_prev_ms"]["median"] > 0 and r["prev_over_graphs"] > 0
+    printed = capsys.readouterr().out
+    assert "layer-step unfused (the chain)" in printed
+    assert "without the untimed fusions (graphs_prev)" in printed
+
+
+def test_configure_sets_each_engines_switches_and_restores_the_products():
+    m = build_model(get_preset("tiny"))
+    latency.configure(m, "graphs_prev")
+    assert not m.expert.rope_in_attention and not m.backbone.fused_epilogues
+    assert m.expert.fused_layer_step == FUSED_LAYER_STEP
+    latency.configure(m, "graphs_alt")
+    assert m.expert.fused_layer_step != FUSED_LAYER_STEP and m.backbone.fused_epilogues
+    latency.configure(m, "graphs")
+    assert m.expert.rope_in_attention and m.backbone.fused_epilogues
+    assert m.expert.fused_layer_step == FUSED_LAYER_STEP

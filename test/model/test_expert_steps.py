@@ -140,3 +140,16 @@ def test_denoise_kernels_per_layer_step_stay_few():
     assert per_layer_step <= MAX_KERNELS_PER_LAYER_STEP, per_layer_step
     chain = kernels_per_layer_step(fused=False)
     assert chain == CHAIN_KERNELS_PER_LAYER_STEP, chain
+
+
+def test_the_untimed_fusions_switched_off_are_the_same_bytes_here():
+    """bench latency's graphs_prev runs the expert's RoPE launch before its attention and the
+    backbone's ops apart (model/expert.py rope_in_attention, model/backbone.py
+    fused_epilogues): on a CPU both paths are the same ops, so the same chunk in bytes."""
+    chunks = []
+    for on in (True, False):
+        m = build_model(get_preset("tiny"))
+        m.expert.rope_in_attention = m.backbone.fused_epilogues = on
+        arena, slot, n = prefilled(m)
+        chunks.append(m.expert.sample(arena, slot, n, m.make_noise(0)))
+    assert torch.equal(*chunks)
