@@ -28,9 +28,9 @@ from embodied_kv.bench import harness, limit
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
-from embodied_kv.kernels import gemm_residual
+from embodied_kv.kernels import gemm_residual, prefill_tile
 from embodied_kv.kernels.expert_attention import FUSED_REDUCE, chunk_blocks, split_count
-from embodied_kv.kernels.packed_attention import KEY_BLOCK
+from embodied_kv.kernels.packed_attention import KEY_BLOCK, SPLITK_MAX_TOKENS
 from embodied_kv.kernels.prefill_tile import tile_config
 from embodied_kv.kernels.rope import adjacent_heads
 from embodied_kv.model.config import get_preset
@@ -55,18 +55,26 @@ REGIONS = ("vision", "embed", "prefill", "logits", "denoise")
 CAPTURED = {"vision", "prefill", "logits", "denoise"}  # engine/graphs.py: vision, step, denoise
 
 
-def attention_cost(q, k_cache, slot, kv_len) -> tuple[float, float, int]:
+def attention_cost(q, k_cache, slot, kv_len) -> tuple | list:
     """The Triton packed-attention kernel (the prefill tile at a prefill's size): QK^T and
     PV over each token's rows; q and out once; K/V of a slot once from HBM (a slot's layer
     is < 1 MiB at pi05: tile re-reads hit the 50 MB L2); its longest program walks the
-    longest token's rows BLOCK_N at a time."""
+    longest token's rows BLOCK_N at a time. A tile split over keys (prefill_tile.KEY_SPLITS,
+    past SPLITK_MAX_TOKENS tokens) walks 1 / splits of them, writes fp32 partials and
+    launches decode_splitk's reduce over them."""
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     flops = 4.0 * float(kv_len.sum()) * hq * d
     rows = sum(int(kv_len[slot == s].max()) for s in slot.unique())
     kv_bytes = 2 * rows * hkv * d * k_cache.element_size()
-    steps = -(-int(kv_len.max()) // tile_config(q.dtype, hq // hkv).block_n)
-    return flops, 2.0 * q.numel() * q.element_size() + kv_bytes, steps
+    splits = prefill_tile.KEY_SPLITS if n > SPLITK_MAX_TOKENS else 1
+    blocks = -(-int(kv_len.max()) // tile_config(q.dtype, hq // hkv, splits).block_n)
+    q_bytes = 2.0 * q.numel() * q.element_size()
+    if splits == 1:
+        return flops, q_bytes + kv_bytes, blocks
+    partials = 4.0 * n * hq * splits * (d + 2)
+    return [(flops, q_bytes / 2 + kv_bytes + partials, -(-blocks // splits)),
+            (3.0 * n * hq * splits * d, partials + q_bytes / 2, splits)]  # fmt: skip
 
 
 def norm_cost(x, mult, eps, shift=None, add_one=False) -> tuple[float, float]:
@@ -91,17 +99,24 @@ def rope_pair_cost(q, k, cos, sin) -> tuple[float, float] | list[tuple[float, fl
     return [rope_cost(q, cos, sin), rope_cost(k, cos, sin)]
 
 
-def rope_store_cost(q, k, v, cos, sin, k_cache, v_cache, slot, row) -> tuple[float, float]:
+def rope_store_cost(q, k, v, cos, sin, k_cache, v_cache, slot, row, fused=True) -> tuple | list:
     """kernels/rope_store.py: q, k and v read once, q written, k and v written into the
-    arena, the tables' rows and the indices read."""
-    moved = 2.0 * (q.numel() + k.numel() + v.numel()) * q.element_size()
+    arena, the tables' rows and the indices read; unfused, two rotations and two copies."""
+    e = q.element_size()
+    if not fused:
+        copy = (0.0, 2.0 * k.numel() * e + 2 * slot.nbytes)
+        return [rope_cost(q, cos, sin), rope_cost(k, cos, sin), copy, copy]
+    moved = 2.0 * (q.numel() + k.numel() + v.numel()) * e
     return 3.0 * (q.numel() + k.numel()), moved + 2 * cos.numel() * 4 + 2 * slot.nbytes
 
 
-def add_rms_norm_cost(h, y, weight, eps) -> tuple[float, float]:
+def add_rms_norm_cost(h, y, weight, eps, fused=True) -> tuple | list:
     """The backbone's residual add + RMSNorm (kernels/gated_rms_norm.py add_rms_norm): h and
-    y read once, the stream and the norm written once."""
-    return 7.0 * h.numel(), 4.0 * h.numel() * h.element_size() + weight.nbytes
+    y read once, the stream and the norm written once; unfused, the add and the norm."""
+    e = h.element_size()
+    if not fused:
+        return [(1.0 * h.numel(), 3.0 * h.numel() * e), norm_cost(h, weight, eps)]
+    return 7.0 * h.numel(), 4.0 * h.numel() * e + weight.nbytes
 
 
 def gated_rms_norm_cost(h, y, gate, scale1, shift, eps) -> tuple | list:

@@ -14,10 +14,12 @@ to the host. No language request runs (narration off), so nothing else shares th
             (~13 kernels; model/expert.py FUSED_LAYER_STEP), or the chain where it runs
             the fused kernels; rows carry `graphs_fused_ms`, `graphs_unfused_ms` and
             `unfused_over_fused`: which one wins on this GPU.
-    graphs_prev (with graphs_alt) the product's path without the fusions no GPU has timed
+    graphs_prev (with graphs_alt) the product's path without the changes no GPU has timed
             yet (RoPE inside the expert's attention; the backbone's RoPE + K/V store and
-            residual add + RMSNorm kernels): the ops as 2026-12-04's H200 ran them; rows
-            carry `graphs_prev_ms` and `prev_over_graphs` (> 1: the fusions pay).
+            residual add + RMSNorm kernels; the prefill tile's key splits): the ops as
+            2026-12-04's H200 ran them; rows carry `graphs_prev_ms` and `prev_over_graphs`
+            (> 1: the changes pay). graphs_unsplit: only the key splits off
+            (`graphs_unsplit_ms`, `unsplit_over_graphs`).
     eager   the same engine and weights with graphs off: every op launched from Python,
             as LeRobot's `select_action` runs pi0.5.
 
@@ -57,7 +59,8 @@ from embodied_kv.bench import harness, kernel_profile, latency_breakdown, lerobo
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
-from embodied_kv.kernels import fallback
+from embodied_kv.kernels import fallback, prefill_tile
+from embodied_kv.kernels.prefill_tile import KEY_SPLITS
 from embodied_kv.model.camera_frames import CameraFrames
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert import FUSED_LAYER_STEP
@@ -157,6 +160,7 @@ def configure(model, engine: str) -> None:
     model/backbone.py fused_epilogues)."""
     model.expert.fused_layer_step = layer_step(engine)
     model.expert.rope_in_attention = model.backbone.fused_epilogues = engine != "graphs_prev"
+    prefill_tile.KEY_SPLITS = 1 if engine in ("graphs_prev", "graphs_unsplit") else KEY_SPLITS
 
 
 def run(args, env: harness.Environment) -> dict:
@@ -170,6 +174,7 @@ def run(args, env: harness.Environment) -> dict:
     if unfused:
         engines["graphs_alt"] = engine_for(model, mode, 2)
         engines["graphs_prev"] = engine_for(model, mode, 2)
+        engines["graphs_unsplit"] = engine_for(model, mode, 2)
     if args.rtc:  # the guided loop from its graph (docs/rtc.md); guided from its 2nd chunk on
         rtc = RTCConfig(enabled=True, guidance=args.rtc)
         engines["graphs_rtc"] = engine_for(model, mode, 2, rtc)
@@ -223,9 +228,10 @@ def run(args, env: harness.Environment) -> dict:
                          "graphs_unfused_ms": harness.Stats.of(u).as_dict(),
                          "unfused_over_fused": harness.ratio(u, f),
                          "layer_step": "fused" if FUSED_LAYER_STEP else "unfused"}  # fmt: skip
-            p = m["samples"]["graphs_prev"]
-            rows[-1] |= {"graphs_prev_ms": harness.Stats.of(p).as_dict(),
-                         "prev_over_graphs": harness.ratio(p, g)}  # fmt: skip
+            for name in ("prev", "unsplit"):
+                p = m["samples"][f"graphs_{name}"]
+                rows[-1] |= {f"graphs_{name}_ms": harness.Stats.of(p).as_dict(),
+                             f"{name}_over_graphs": harness.ratio(p, g)}  # fmt: skip
         ours = g if mode == "cuda" else e  # the product's path: graphs on CUDA, eager on a CPU
         for name in peers:
             p = m["samples"][name]
@@ -347,12 +353,14 @@ def report(result: dict) -> None:
                   f"{r['graphs_fused_ms']['median']:.2f} ms: unfused = {ratio:.2f}x fused; the "
                   f"product runs {own}" + ("  LOSS: the other layer-step is faster here"
                                            if lost else ""))  # fmt: skip
-        if "graphs_prev_ms" in r:
-            ratio = r["prev_over_graphs"]
+        for name, what in (("prev", "the untimed changes"), ("unsplit", "the key splits")):
+            if f"graphs_{name}_ms" not in r:
+                continue
+            ratio = r[f"{name}_over_graphs"]
             lost = ratio < 1 and result["graph_mode"] != "emulate"
-            print(f"{r['cameras']} cameras: without the untimed fusions (graphs_prev) "
-                  f"{r['graphs_prev_ms']['median']:.2f} ms = {ratio:.2f}x the product's path"
-                  + ("  LOSS: the fusions are slower here" if lost else ""))  # fmt: skip
+            print(f"{r['cameras']} cameras: without {what} (graphs_{name}) "
+                  f"{r[f'graphs_{name}_ms']['median']:.2f} ms = {ratio:.2f}x the product's path"
+                  + (f"  LOSS: {what} are slower here" if lost else ""))  # fmt: skip
         if "graphs_frames_ms" in r:
             h, w = r["frames_hw"]
             print(f"{r['cameras']} cameras: camera frames ({h}x{w} uint8, converted on the "

@@ -64,6 +64,7 @@ from embodied_kv.kernels.attn_stats import plan_attn_stats
 from embodied_kv.kernels.expert_attention import plan_expert_attention
 from embodied_kv.kernels.gelu_gate import plan_gelu_gate
 from embodied_kv.kernels.packed_attention import plan_kernel
+from embodied_kv.kernels.prefill_tile import plan_tile
 from embodied_kv.kernels.rms_norm import plan_rms_norm
 from embodied_kv.kernels.rope import plan_rope
 from embodied_kv.kernels.triton_base import INTERPRETED, Launch, triton
@@ -192,6 +193,9 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
         for decode in (True, False):
             for launch in plan_kernel(q, k, k, idx, idx, d**-0.5, torch.empty_like(q), decode):
                 launches.setdefault(launch.name, launch)
+        # the tile unsplit over keys too (bench latency's graphs_prev)
+        for launch in plan_tile(q, k, k, idx, idx, d**-0.5, torch.empty_like(q), 1):
+            launches.setdefault(launch.name, launch)
     # the fused RMSNorms: the backbone's (W 2048, plain) and the expert's (W 1024, adaptive)
     for width, adaptive in ((2048, False), (1024, True)):
         x = torch.empty(n_tok, width, dtype=torch.bfloat16, device="meta")

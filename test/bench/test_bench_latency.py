@@ -5,6 +5,8 @@ import json
 import pytest
 
 from embodied_kv.bench import latency, latency_breakdown, limit
+from embodied_kv.kernels import prefill_tile
+from embodied_kv.kernels.prefill_tile import KEY_SPLITS
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert import FUSED_LAYER_STEP
 from embodied_kv.model.vla import build_model
@@ -120,18 +122,23 @@ def test_bench_latency_unfused_row(tmp_path, capsys):
         assert r["graphs_unfused_ms"]["median"] > 0 and r["unfused_over_fused"] > 0
         assert r["graphs_fused_ms"]["median"] > 0 and r["layer_step"] in ("fused", "unfused")
         assert r["graphs_prev_ms"]["median"] > 0 and r["prev_over_graphs"] > 0
+        assert r["graphs_unsplit_ms"]["median"] > 0 and r["unsplit_over_graphs"] > 0
     printed = capsys.readouterr().out
     assert "layer-step unfused (the chain)" in printed
-    assert "without the untimed fusions (graphs_prev)" in printed
+    assert "without the untimed changes (graphs_prev)" in printed
+    assert "without the key splits (graphs_unsplit)" in printed
 
 
 def test_configure_sets_each_engines_switches_and_restores_the_products():
     m = build_model(get_preset("tiny"))
     latency.configure(m, "graphs_prev")
     assert not m.expert.rope_in_attention and not m.backbone.fused_epilogues
-    assert m.expert.fused_layer_step == FUSED_LAYER_STEP
+    assert m.expert.fused_layer_step == FUSED_LAYER_STEP and prefill_tile.KEY_SPLITS == 1
+    latency.configure(m, "graphs_unsplit")
+    assert m.expert.rope_in_attention and prefill_tile.KEY_SPLITS == 1
     latency.configure(m, "graphs_alt")
     assert m.expert.fused_layer_step != FUSED_LAYER_STEP and m.backbone.fused_epilogues
     latency.configure(m, "graphs")
     assert m.expert.rope_in_attention and m.backbone.fused_epilogues
     assert m.expert.fused_layer_step == FUSED_LAYER_STEP
+    assert prefill_tile.KEY_SPLITS == KEY_SPLITS

@@ -5,6 +5,7 @@ import torch
 
 from embodied_kv.bench.estimate import H100, action_census, scaled
 from embodied_kv.bench.kernel_census import Census, Roofline
+from embodied_kv.kernels.prefill_tile import KEY_SPLITS
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.vla import build_model
@@ -60,11 +61,12 @@ def test_a_kernel_whose_longest_program_loops_long_costs_its_chain():
 
 
 # The backbone's layer as CUDA runs it with the fused projections: the q/k/v GEMM, RoPE with
-# the K/V store (kernels/rope_store.py), the attention, o_proj, the residual add + the
-# post-attention norm, gate/up, GELU-gate, down, the residual add + the next norm
-# (kernels/gated_rms_norm.py add_rms_norm): 9, from 14 (2026-12-04: the two rotations, two
+# the K/V store (kernels/rope_store.py), the attention (the tile, and its reduce when split
+# over keys: prefill_tile.KEY_SPLITS), o_proj, the residual add + the post-attention norm,
+# gate/up, GELU-gate, down, the residual add + the next norm (kernels/gated_rms_norm.py
+# add_rms_norm): 9 (10 with the reduce), from 14 (2026-12-04: the two rotations, two
 # index_put copies, two adds and a norm each apart).
-PREFILL_KERNELS_PER_LAYER = 9
+PREFILL_KERNELS_PER_LAYER = 9 + (KEY_SPLITS > 1)
 
 
 def test_prefill_kernels_per_layer():

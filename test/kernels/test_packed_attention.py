@@ -9,6 +9,7 @@ import torch
 
 import embodied_kv.kernels.decode_splitk as ds
 import embodied_kv.kernels.packed_attention as pa
+import embodied_kv.kernels.prefill_tile as pt
 
 # Each case is a list of (slot, kv_len) per token, in packing order.
 CASES = {
@@ -99,12 +100,14 @@ def test_dispatcher_picks_by_step_size_or_hint():
     an explicit hint overrides either way."""
     kernels = lambda launches: [launch.name.split()[0] for launch in launches]  # noqa: E731
     assert kernels(_plan(pa.SPLITK_MAX_TOKENS)) == ["splitk_partial", "splitk_reduce"]
-    assert kernels(_plan(pa.SPLITK_MAX_TOKENS + 16)) == ["prefill_tile"]
-    assert kernels(_plan(16, decode=False)) == ["prefill_tile"]
+    tile = ["prefill_tile"] + (["prefill_reduce"] if pt.KEY_SPLITS > 1 else [])
+    assert kernels(_plan(pa.SPLITK_MAX_TOKENS + 16)) == tile
+    assert kernels(_plan(16, decode=False)) == tile
     assert kernels(_plan(1024, decode=True)) == ["splitk_partial", "splitk_reduce"]
     partial, reduce = _plan(16)
     assert partial.grid == (16, 1, 16) and reduce.grid == (16, 8)  # T = 1024: 16 splits
-    assert _plan(64)[0].grid == (8, 1)  # 8 tokens × 8 heads per tile
+    tokens = pt.tile_config(torch.bfloat16, 8, pt.KEY_SPLITS).block_m  # 8 × 8 heads unsplit
+    assert _plan(64)[0].grid == (64 // tokens, 1, pt.KEY_SPLITS)
 
 
 @pytest.mark.parametrize("decode", [True, False])
