@@ -49,7 +49,7 @@ import torch
 from embodied_kv.kernels.decode_splitk import MAX_SPLITS, MIN_SPLITS, plan_reduce, workspace
 from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
-from embodied_kv.kernels.rope import rope_pair
+from embodied_kv.kernels.rope import check_tables, rope_pair
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     LOG2E,
@@ -476,15 +476,7 @@ def check_rope(rope, h_len: int, d: int) -> None:
     the kernel does not rotate (`rope_on_load`)."""
     if not rope_on_load(d):
         raise RuntimeError(f"rope on load: head_dim {d} is not a power of two")
-    cos, sin = rope
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (h_len, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(
-                f"rope {name}: expected fp32 [{h_len}, 1, {d}] with a contiguous last dim, got "
-                f"{t.dtype} {tuple(t.shape)}"
-            )
-    if cos.stride(0) != sin.stride(0):
-        raise ValueError(f"rope: cos and sin strides differ, {cos.stride(0)} vs {sin.stride(0)}")
+    check_tables(*rope, h_len, d, "expert attention rope")
 
 
 def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None, rope=None) -> torch.Tensor:

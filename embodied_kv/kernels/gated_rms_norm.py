@@ -65,6 +65,7 @@ def add_rms_norm_ref(
 
 
 if triton is not None:
+    from embodied_kv.kernels.rms_norm import normed_row
     from embodied_kv.kernels.triton_base import round_bf16
 
     @triton.jit
@@ -98,15 +99,8 @@ if triton is not None:
         s = round_bf16(h + y, ROUND_BF16).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + row * stride_s + offs, s, mask=mask)
         x = s.to(tl.float32)  # the stored stream, as the norm after addcmul reads it
-        ms = tl.sum(x * x, axis=0) / width
-        xn = x * (1.0 / tl.sqrt(ms + eps))
-        m = tl.load(scale_ptr + offs, mask=mask, other=0.0)
-        if ADD_ONE:
-            m = m + 1.0
-        out = xn * m
-        if HAS_SHIFT:
-            out = out + tl.load(shift_ptr + offs, mask=mask, other=0.0)
-        out = round_bf16(out, ROUND_BF16)
+        out = normed_row(x, width, eps, scale_ptr, shift_ptr, offs, mask, ADD_ONE, HAS_SHIFT,
+                         ROUND_BF16)  # fmt: skip
         tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -31,7 +31,7 @@ from embodied_kv.kernels.norm_prologue import (
     tag,
 )
 from embodied_kv.kernels.rms_norm import rms_norm_ref
-from embodied_kv.kernels.rope import rope_ref
+from embodied_kv.kernels.rope import check_tables, rope_ref
 from embodied_kv.kernels.triton_base import Launch, pow2, tl, triton, use_kernel
 
 # Tiles timed on an H200 (bench/kernel_sweep.py, 2026-12-04, pi05, 18 layers' weights from
@@ -172,14 +172,7 @@ def norm_qkv_rope_kernel(h, scale1, shift, eps: float, w_qkv, sizes, cos, sin):
             f"tables' head_dim D = {d} (even)"
         )
     check_common(h, scale1, shift, w_qkv, sum(sizes), "norm_qkv_rope")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (n, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(
-                f"norm_qkv_rope: {name} must be fp32 [{n}, 1, {d}] with a contiguous last "
-                f"dim, got {t.dtype} {tuple(t.shape)}"
-            )
-    if cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos and sin strides differ: {cos.stride(0)} vs {sin.stride(0)}")
+    check_tables(cos, sin, n, d, "norm_qkv_rope")
     hq, hkv = sizes[0] // d, sizes[1] // d
     out = torch.empty(n, hq + 2 * hkv, d, dtype=h.dtype, device=h.device)
     plan_norm_qkv_rope(h, scale1, shift, eps, w_qkv, hq + hkv, cos, sin, out).run()

@@ -54,6 +54,21 @@ if triton is not None:
     from embodied_kv.kernels.triton_base import round_bf16
 
     @triton.jit
+    def normed_row(x, width, eps, mult_ptr, shift_ptr, offs, mask, ADD_ONE: tl.constexpr,
+                   HAS_SHIFT: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+        """One fp32 row x [BLOCK_W] -> x / rms(x) * (ADD_ONE + mult) (+ shift), rounded as
+        stored: the one RMSNorm arithmetic of this kernel and kernels/gated_rms_norm.py's."""
+        ms = tl.sum(x * x, axis=0) / width
+        y = x * (1.0 / tl.sqrt(ms + eps))
+        m = tl.load(mult_ptr + offs, mask=mask, other=0.0)
+        if ADD_ONE:
+            m = m + 1.0
+        y = y * m
+        if HAS_SHIFT:
+            y = y + tl.load(shift_ptr + offs, mask=mask, other=0.0)
+        return round_bf16(y, ROUND_BF16)
+
+    @triton.jit
     def _rms_norm_fwd(
         x_ptr,  # [N, W] input rows, any row stride, contiguous last dim
         mult_ptr,  # [W] fp32 multiplier (1 + scale), or the raw weight when ADD_ONE
@@ -72,15 +87,8 @@ if triton is not None:
         offs = tl.arange(0, BLOCK_W)
         mask = offs < width
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        ms = tl.sum(x * x, axis=0) / width
-        y = x * (1.0 / tl.sqrt(ms + eps))
-        m = tl.load(mult_ptr + offs, mask=mask, other=0.0)
-        if ADD_ONE:
-            m = m + 1.0
-        y = y * m
-        if HAS_SHIFT:
-            y = y + tl.load(shift_ptr + offs, mask=mask, other=0.0)
-        y = round_bf16(y, ROUND_BF16)
+        y = normed_row(x, width, eps, mult_ptr, shift_ptr, offs, mask, ADD_ONE, HAS_SHIFT,
+                       ROUND_BF16)  # fmt: skip
         tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -80,6 +80,19 @@ if triton is not None:
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def check_tables(cos: torch.Tensor, sin: torch.Tensor, n: int, d: int, who: str) -> None:
+    """ValueError unless cos and sin are `Rope.at` tables for n tokens of head_dim d: fp32
+    [n, 1, d] with a contiguous last dim and one token stride (every rotating kernel's)."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (n, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(
+                f"{who}: {name} must be fp32 [{n}, 1, {d}] with a contiguous last dim, got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"{who}: cos and sin strides differ: {cos.stride(0)} vs {sin.stride(0)}")
+
+
 def plan_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> Launch:
     """The one launch of a rotation: grid (N,), one token's H x D values per program."""
     n, h, d = x.shape
@@ -109,14 +122,7 @@ def rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
             f"rope kernel: head_dim {d} (even, <= {MAX_HEAD_DIM}), heads {h} (<= {MAX_HEADS}) "
             "and a contiguous last dim needed"
         )
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (n, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(
-                f"{name} must be fp32 [{n}, 1, {d}] with a contiguous last dim, got "
-                f"{t.dtype} {tuple(t.shape)}"
-            )
-    if cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos and sin strides differ: {cos.stride(0)} vs {sin.stride(0)}")
+    check_tables(cos, sin, n, d, "rope kernel")
     out = torch.empty(n, h, d, dtype=x.dtype, device=x.device)
     plan_rope(x, cos, sin, out).run()
     return out

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from embodied_kv.kernels.fallback import try_kernel
-from embodied_kv.kernels.rope import MAX_HEAD_DIM, MAX_HEADS, rope
+from embodied_kv.kernels.rope import MAX_HEAD_DIM, MAX_HEADS, check_tables, rope
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     KERNEL_DTYPES,
@@ -154,11 +154,7 @@ def rope_store_kernel(q, k, v, cos, sin, k_cache, v_cache, slot, row) -> torch.T
             f"rope_store kernel: one dtype of {KERNEL_DTYPES}, head_dim {d} (even, <= "
             f"{MAX_HEAD_DIM}), heads {hq}+{hkv} (<= {MAX_HEADS}), contiguous last dims needed"
         )
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (n, 1, d) or t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be fp32 [{n}, 1, {d}], got {t.dtype} {tuple(t.shape)}")
-    if cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos and sin strides differ: {cos.stride(0)} vs {sin.stride(0)}")
+    check_tables(cos, sin, n, d, "rope_store")
     out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     plan_rope_store(q, k, v, cos, sin, k_cache, v_cache, slot, row, out).run()
     return out

@@ -193,7 +193,7 @@ def test_rope_on_load_is_the_rope_kernel_then_the_attention_bytewise(kernel, dty
 def test_rope_tables_of_another_shape_are_refused(kernel):
     q, kp, vp, ks, vs, scale, bias = inputs("exact", HEADS["mqa4"])
     cos = torch.zeros(q.shape[0] + 1, 1, q.shape[2], device=DEVICE)
-    with pytest.raises(ValueError, match="rope cos"):
+    with pytest.raises(ValueError, match="rope: cos"):
         expert_attention_kernel(q, kp, vp, ks, vs, scale, bias, rope=(cos, cos))
 
 
