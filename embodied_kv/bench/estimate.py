@@ -32,7 +32,7 @@ from embodied_kv.kernels import gemm_residual, prefill_tile
 from embodied_kv.kernels.expert_attention import FUSED_REDUCE, chunk_blocks, split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK, SPLITK_MAX_TOKENS
 from embodied_kv.kernels.prefill_tile import tile_config
-from embodied_kv.kernels.rope import adjacent_heads
+from embodied_kv.kernels.rope import adjacent_heads, adjacent_view
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.synthetic import synthetic_observation
@@ -93,9 +93,7 @@ def rope_pair_cost(q, k, cos, sin) -> tuple[float, float] | list[tuple[float, fl
     """kernels/rope.py rope_pair: one kernel over q and k where they are adjacent heads of
     the fused q/k/v output (as on CUDA with model/fused.py), else one each."""
     if adjacent_heads(q, k):
-        both = torch.empty(q.shape[0], q.shape[1] + k.shape[1], q.shape[2], device="meta",
-                           dtype=q.dtype)  # fmt: skip
-        return rope_cost(both, cos, sin)
+        return rope_cost(adjacent_view(q, k), cos, sin)
     return [rope_cost(q, cos, sin), rope_cost(k, cos, sin)]
 
 

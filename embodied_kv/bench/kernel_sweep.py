@@ -42,7 +42,7 @@ from embodied_kv.kernels.gated_rms_norm import plan_gated_rms_norm
 from embodied_kv.kernels.gelu_gate import gelu_gate, gelu_gate_ref
 from embodied_kv.kernels.prefill_tile import TileConfig
 from embodied_kv.kernels.rms_norm import rms_norm, rms_norm_ref
-from embodied_kv.kernels.rope import plan_rope, rope, rope_ref
+from embodied_kv.kernels.rope import adjacent_view, plan_rope, rope, rope_ref
 from embodied_kv.model.layers import Rope
 
 LAYERS = 18  # pi05's expert depth: one weight set per layer in the graph
@@ -288,6 +288,14 @@ def attn_candidates(s, dry, tag=""):
         yield f"{label} stages={ns}", make
 
 
+def rope_pair_launch(L, s):
+    """(out [N, Hq + Hkv, D], the launch rotating q and k into it): kernels/rope.py rope_pair
+    over the fused q/k/v output's adjacent q and k heads."""
+    both = adjacent_view(*qk_views(L, s))
+    out = torch.empty(both.shape, dtype=both.dtype, device=both.device)
+    return out, plan_rope(both, L["cos"], L["sin"], out)
+
+
 def fusion_candidates(s, which):
     """The chain's own fusions, one configuration each: the gated residual + norm kernel,
     RoPE over q and k in one launch."""
@@ -298,10 +306,7 @@ def fusion_candidates(s, which):
             launch = plan_gated_rms_norm(L["h"], L["y"], L["gate"], L["scale1"], L["shift"],
                                          EPS, out[:, :w], out[:, w:])  # fmt: skip
         else:
-            q, k = qk_views(L, s)
-            both = q.as_strided((n, s["hq"] + s["hkv"], s["d"]), q.stride(), q.storage_offset())
-            out = torch.empty(both.shape, dtype=q.dtype, device=q.device)
-            launch = plan_rope(both, L["cos"], L["sin"], out)
+            out, launch = rope_pair_launch(L, s)
         return out, launch.run
     yield ("one kernel" if which == "gated" else "one launch over q and k"), make
 
@@ -314,10 +319,8 @@ def rope_attn_candidates(s):
             q, k = qk_views(L, s)
             launches = []
             if not on_load:
-                both = q.as_strided((s["n"], s["hq"] + s["hkv"], s["d"]), q.stride(),
-                                    q.storage_offset())  # fmt: skip
-                rotated = torch.empty(both.shape, dtype=q.dtype, device=q.device)
-                launches.append(plan_rope(both, L["cos"], L["sin"], rotated))
+                rotated, launch = rope_pair_launch(L, s)
+                launches.append(launch)
                 q, k = rotated[:, : s["hq"]], rotated[:, s["hq"] :]
             work = attn_k.expert_workspace(s["n"], s["hq"], s["hkv"], s["d"], s["bucket"],
                                            q.dtype, q.device)  # fmt: skip

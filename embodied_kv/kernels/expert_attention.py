@@ -49,7 +49,7 @@ import torch
 from embodied_kv.kernels.decode_splitk import MAX_SPLITS, MIN_SPLITS, plan_reduce, workspace
 from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
-from embodied_kv.kernels.rope import check_tables, rope_pair
+from embodied_kv.kernels.rope import check_tables, rope_on_load, rope_pair
 from embodied_kv.kernels.triton_base import (
     INTERPRETED,
     LOG2E,
@@ -114,7 +114,7 @@ def chunk_blocks(n_prefix: int, block_n: int, splits: int) -> int:
 
 
 if triton is not None:
-    from embodied_kv.kernels.rope import rotated
+    from embodied_kv.kernels.rope import rotated_rows
     from embodied_kv.kernels.triton_base import attend_block, load_kv_block
 
     @triton.jit
@@ -175,20 +175,6 @@ if triton is not None:
                 (total / denom[:, None]).to(out_ptr.dtype.element_ty),
                 mask=mask,
             )
-
-    @triton.jit
-    def rotated_rows(x_at, tab_at, live, cos_ptr, sin_ptr, HALF: tl.constexpr,
-                     ROUND_BF16: tl.constexpr):  # fmt: skip
-        """Rows x [R, 2 HALF] at `x_at` [R, 1] rotated with kernels/rope.py's bytes, read by
-        halves (Rope's tables are [c, c] and [-s, s]: the low half's sine is the exact
-        negation of the high one's)."""
-        offs_h = tl.arange(0, HALF)[None, :]
-        x_lo = tl.load(x_at + offs_h, mask=live, other=0.0)
-        x_hi = tl.load(x_at + HALF + offs_h, mask=live, other=0.0)
-        c = tl.load(cos_ptr + tab_at + offs_h, mask=live, other=0.0)
-        s = tl.load(sin_ptr + tab_at + HALF + offs_h, mask=live, other=0.0)
-        y = tl.join(rotated(x_lo, x_hi, c, -s, ROUND_BF16), rotated(x_hi, x_lo, c, s, ROUND_BF16))
-        return tl.reshape(tl.permute(y, (0, 2, 1)), (x_lo.shape[0], 2 * HALF))
 
     @triton.jit
     def _expert_attention_partial(
@@ -395,7 +381,7 @@ def plan_expert_attention(
     cos, sin = rope if rope is not None else (bias, bias)  # never read without ROPE
     # the suffix programs' rotated keys (ROPE): one [H, D] scratch each, held by the graph
     tiles = -(-h_len // cfg.block_m) * hkv
-    kr = q.new_empty(tiles if rope is not None else 0, h_len, d)
+    kr = q.new_empty(tiles, h_len, d) if rope is not None else q  # never read without ROPE
     args = (
         q, kp, vp, ks, vs, bias, m, l_s, acc, count, out, cos, sin,
         cos.stride(0) if rope is not None else 0, kr, d, h_len, n_p, chunk, scale * LOG2E, hq,
@@ -461,12 +447,6 @@ def expert_attention_kernel(
     ):
         launch.run()
     return out
-
-
-def rope_on_load(d: int) -> bool:
-    """The kernel rotates q and the suffix k itself for a head_dim of a power of two (it reads
-    the two halves of a row as two tiles); others are rotated before it (kernels/rope.py)."""
-    return d >= 2 and d == pow2(d)
 
 
 def check_rope(rope, h_len: int, d: int) -> None:

@@ -59,9 +59,10 @@ def gated_rms_norm_ref(
 def add_rms_norm_ref(
     h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h, y [N, W], weight [W] -> (s = h + y, rms_norm(s) * (1 + weight)): the backbone's."""
+    """h, y [N, W], weight [W] -> (s = h + y, rms_norm(s) * (1 + weight)): the backbone's two
+    ops, the norm dispatched (kernels/rms_norm.py: its reference on a CPU)."""
     s = h + y
-    return s, rms_norm_ref(s, weight, eps, add_one=True)
+    return s, rms_norm(s, weight, eps, add_one=True)
 
 
 if triton is not None:
@@ -178,8 +179,7 @@ def add_rms_norm(h, y, weight, eps: float, fused: bool = True) -> tuple[torch.Te
         out = try_kernel("add_rms_norm", gated_rms_norm_kernel, h, y, None, weight, None, eps)
         if out is not None:
             return out
-    s = h + y
-    return s, rms_norm(s, weight, eps, add_one=True)  # add_rms_norm_ref's ops, dispatched
+    return add_rms_norm_ref(h, y, weight, eps)
 
 
 def pi05_launches() -> list[Launch]:

@@ -25,7 +25,7 @@ asserted spill-free by test/kernels/test_offline_compile.py):
     prefill_tile    block_m=8 (64 rows), block_n=16           4      2  247      0  64 KiB  wgmma
     rms_norm        W=2048 plain (backbone)                   8      1   27      0   0 KiB  -
     rms_norm        W=1024 adaptive (expert)                  4      1   32      0   0 KiB  -
-    rope            H=8 (queries) / H=1 (keys)                4      1 46/14     0   0 KiB  -
+    rope            H=8 (queries) / H=1 (keys)                4      1 44/14     0   0 KiB  -
     expert_attention block_m=8 (64 rows), block_n=16, 32 splits 4   2  221      0  64 KiB  wgmma
     expert_attention_rope  the same, rotating q and the suffix k  4   2  254      0  64 KiB  wgmma
     expert_reduce   32 splits                                 4      1   43      0   2 KiB  -

@@ -50,6 +50,28 @@ if triton is not None:
         return round_bf16(y, ROUND_BF16).to(x.dtype)
 
     @triton.jit
+    def rotated_heads(base, offs_d, swap_d, mask, cos, sin, ROUND_BF16: tl.constexpr):
+        """The heads at `base` [H, 1] (one token's), loaded with their halves swapped beside
+        them and `rotated`: this kernel's rows and kernels/rope_store.py's."""
+        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
+        xs = tl.load(base + swap_d[None, :], mask=mask, other=0.0)
+        return rotated(x, xs, cos, sin, ROUND_BF16)
+
+    @triton.jit
+    def rotated_rows(x_at, tab_at, live, cos_ptr, sin_ptr, HALF: tl.constexpr,
+                     ROUND_BF16: tl.constexpr):  # fmt: skip
+        """Rows x [R, 2 HALF] at `x_at` [R, 1] rotated with `rotated`'s bytes, read by
+        halves (Rope's tables are [c, c] and [-s, s]: the low half's sine is the exact
+        negation of the high one's)."""
+        offs_h = tl.arange(0, HALF)[None, :]
+        x_lo = tl.load(x_at + offs_h, mask=live, other=0.0)
+        x_hi = tl.load(x_at + HALF + offs_h, mask=live, other=0.0)
+        c = tl.load(cos_ptr + tab_at + offs_h, mask=live, other=0.0)
+        s = tl.load(sin_ptr + tab_at + HALF + offs_h, mask=live, other=0.0)
+        y = tl.join(rotated(x_lo, x_hi, c, -s, ROUND_BF16), rotated(x_hi, x_lo, c, s, ROUND_BF16))
+        return tl.reshape(tl.permute(y, (0, 2, 1)), (x_lo.shape[0], 2 * HALF))
+
+    @triton.jit
     def _rope_fwd(
         x_ptr,  # [N, H, D] input
         cos_ptr,  # [N, 1, D] fp32 [c, c] per token
@@ -71,13 +93,18 @@ if triton is not None:
         mask = (offs_h[:, None] < n_heads) & mask_d[None, :]
         swap_d = (offs_d + HEAD_DIM // 2) % HEAD_DIM
         base = x_ptr + tok * stride_xn + offs_h[:, None] * stride_xh
-        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
-        xs = tl.load(base + swap_d[None, :], mask=mask, other=0.0)
         cos = tl.load(cos_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
         sin = tl.load(sin_ptr + tok * stride_cn + offs_d, mask=mask_d, other=0.0)
-        y = rotated(x, xs, cos[None, :], sin[None, :], ROUND_BF16)
+        y = rotated_heads(base, offs_d, swap_d, mask, cos[None, :], sin[None, :], ROUND_BF16)
         out = out_ptr + tok * n_heads * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_on_load(d: int) -> bool:
+    """A head_dim `rotated_rows` takes (it reads a row's two halves as two tiles): a power of
+    two. kernels/expert_attention.py rotates q and the suffix k itself for these; others are
+    rotated before it."""
+    return d >= 2 and d == pow2(d)
 
 
 def check_tables(cos: torch.Tensor, sin: torch.Tensor, n: int, d: int, who: str) -> None:
@@ -154,6 +181,13 @@ def adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> bool:
     )
 
 
+def adjacent_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [N, Hq, D] and k [N, Hkv, D] as the one [N, Hq + Hkv, D] view they are parts of
+    (`adjacent_heads` holds)."""
+    n, hq, d = q.shape
+    return q.as_strided((n, hq + k.shape[1], d), q.stride(), q.storage_offset())
+
+
 def rope_pair(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,9 +195,8 @@ def rope_pair(
     buffer, one kernel over both (q and k then views of its [N, Hq + Hkv, D] output); else,
     and on a CPU, one call each: the same bytes (RoPE is elementwise per head)."""
     if use_kernel(q, k) and adjacent_heads(q, k):
-        n, hq, d = q.shape
-        both = q.as_strided((n, hq + k.shape[1], d), q.stride(), q.storage_offset())
-        out = try_kernel("rope", rope_kernel, both, cos, sin)
+        out = try_kernel("rope", rope_kernel, adjacent_view(q, k), cos, sin)
         if out is not None:
+            hq = q.shape[1]
             return out[:, :hq], out[:, hq:]
     return rope(q, cos, sin), rope(k, cos, sin)

@@ -47,7 +47,7 @@ def rope_store_ref(q, k, v, cos, sin, k_cache, v_cache, slot, row) -> torch.Tens
 
 
 if triton is not None:
-    from embodied_kv.kernels.rope import rotated
+    from embodied_kv.kernels.rope import rotated_heads
 
     @triton.jit
     def _rope_store_fwd(
@@ -81,19 +81,16 @@ if triton is not None:
         # queries
         mask = (offs_h[:, None] < n_q) & mask_d[None, :]
         base = q_ptr + tok * stride_qn + offs_h[:, None] * stride_qh
-        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
-        xs = tl.load(base + swap_d[None, :], mask=mask, other=0.0)
         out = out_ptr + tok * n_q * HEAD_DIM + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(out, rotated(x, xs, cos, sin, ROUND_BF16), mask=mask)
+        tl.store(out, rotated_heads(base, offs_d, swap_d, mask, cos, sin, ROUND_BF16), mask=mask)
         # keys (rotated) and values, into the arena row of this token
         s = tl.load(slot_ptr + tok).to(tl.int64)
         r = tl.load(row_ptr + tok).to(tl.int64)
         mask = (offs_h[:, None] < n_kv) & mask_d[None, :]
         base = k_ptr + tok * stride_kn + offs_h[:, None] * stride_kh
-        x = tl.load(base + offs_d[None, :], mask=mask, other=0.0)
-        xs = tl.load(base + swap_d[None, :], mask=mask, other=0.0)
+        k = rotated_heads(base, offs_d, swap_d, mask, cos, sin, ROUND_BF16)
         dst = kc_ptr + s * stride_ks + r * stride_kt + offs_h[:, None] * stride_kch
-        tl.store(dst + offs_d[None, :], rotated(x, xs, cos, sin, ROUND_BF16), mask=mask)
+        tl.store(dst + offs_d[None, :], k, mask=mask)
         v = tl.load(v_ptr + tok * stride_vn + offs_h[:, None] * stride_vh + offs_d[None, :],
                     mask=mask, other=0.0)  # fmt: skip
         dst = vc_ptr + s * stride_vs + r * stride_vt + offs_h[:, None] * stride_vch
