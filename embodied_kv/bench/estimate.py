@@ -28,8 +28,9 @@ from embodied_kv.bench import harness, limit
 from embodied_kv.bench.kernel_census import Census, Roofline, Tally
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.graphs import STEP_BUCKETS
+from embodied_kv.kernels import expert_attention as attention_kernels
 from embodied_kv.kernels import gemm_residual, prefill_tile
-from embodied_kv.kernels.expert_attention import FUSED_REDUCE, chunk_blocks, split_count
+from embodied_kv.kernels.expert_attention import chunk_blocks, split_count
 from embodied_kv.kernels.packed_attention import KEY_BLOCK, SPLITK_MAX_TOKENS
 from embodied_kv.kernels.prefill_tile import tile_config
 from embodied_kv.kernels.rope import adjacent_heads, adjacent_view
@@ -143,9 +144,11 @@ def expert_attention_cost(
     """The expert attention as CUDA runs it (kernels/expert_attention.py): QK^T and PV over
     prefix + suffix rows for every query; q once, the prefix and suffix K/V once, fp32
     partials written and read back (L2-resident, counted), the reduce's FLOPs, out written.
-    Two kernels (the partials, then the reduce) unless FUSED_REDUCE, where each tile's last
-    split reduces (one kernel, plus its arrival counters). With `rope` the partials rotate q
-    and the suffix k as they load them: the two tables read, 3 FLOPs an element."""
+    Two kernels (the partials, then the reduce) when REDUCE is "launch"; one otherwise (each
+    tile's last split reduces, or the persistent queue's reduce items do: the same work, its
+    counters besides, and the loop steps of both phases in one launch). With `rope` the
+    partials rotate q and the suffix k as they load them: the two tables read, 3 FLOPs an
+    element."""
     h_len, hq, d = q.shape
     rows = kp.shape[0] + ks.shape[0]
     kv = 2 * rows * kp.shape[1] * d * kp.element_size()
@@ -160,9 +163,10 @@ def expert_attention_cost(
     if rope is not None:
         flops += 3.0 * (q.numel() + ks.numel())
         q_bytes += 2 * rope[0].numel() * 4
-    if FUSED_REDUCE:
+    reduce = attention_kernels.REDUCE
+    if reduce != "launch":
         moved = 2 * q_bytes + kv + bias.numel() * 4 + 2 * partials + counters
-        return [(flops + reduce_flops, moved, steps)]
+        return [(flops + reduce_flops, moved, steps + splits if reduce == "queue" else steps)]
     return [(flops, q_bytes + kv + bias.numel() * 4 + partials, steps),
             (reduce_flops, partials + q_bytes, splits)]  # fmt: skip
 

@@ -269,11 +269,12 @@ def res_candidates(s, dry, which):
 def attn_candidates(s, dry, tag=""):
     # torch's own attention, ranked beside the kernel's configurations (checked dry too)
     yield "torch_sdpa", lambda L: (None, lambda: attn_sdpa(L, s, tag))
-    grid = [(4, True, 16, 4, 2)] if dry else [
-        (bps, fused, 16, 4, 2) for bps in (1, 2, 4, 8) for fused in (True, False)
-    ] + [(2, False, 16, 8, 2), (2, False, 16, 4, 3), (4, False, 32, 8, 2)]  # fmt: skip
-    for bps, fused, bn, nw, ns in grid:
-        def make(L, bps=bps, fused=fused, bn=bn, nw=nw, ns=ns):
+    grid = [(4, attn_k.REDUCE, 16, 4, 2)] if dry else [
+        (bps, reduce, 16, 4, 2) for bps in (1, 2, 4, 8) for reduce in attn_k.REDUCES
+    ] + [(2, "launch", 16, 8, 2), (2, "launch", 16, 4, 3), (4, "launch", 32, 8, 2),
+         (4, "queue", 16, 4, 3)]  # fmt: skip
+    for bps, reduce, bn, nw, ns in grid:
+        def make(L, bps=bps, reduce=reduce, bn=bn, nw=nw, ns=ns):
             base = attn_k.tile_config(L["q"].dtype, s["hq"] // s["hkv"])
             cfg = TileConfig(base.block_m, base.group_pad, bn, nw, ns)
             with patched(attn_k, BLOCKS_PER_SPLIT=bps, tile_config=lambda *a: cfg):
@@ -282,9 +283,9 @@ def attn_candidates(s, dry, tag=""):
                 out = torch.empty_like(L["q"])
                 launches = attn_k.plan_expert_attention(L["q"], L["kp" + tag], L["vp" + tag],
                                                         L["ks"], L["vs"], s["d"] ** -0.5,
-                                                        L["bias" + tag], out, work, fused)
+                                                        L["bias" + tag], out, work, reduce)
             return out, lambda: [la.run() for la in launches]
-        label = f"blocks_per_split={bps} fused_reduce={fused} block_n={bn} warps={nw}"
+        label = f"blocks_per_split={bps} reduce={reduce} block_n={bn} warps={nw}"
         yield f"{label} stages={ns}", make
 
 
@@ -326,8 +327,8 @@ def rope_attn_candidates(s):
                                            q.dtype, q.device)  # fmt: skip
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             launches += attn_k.plan_expert_attention(
-                q, L["kp"], L["vp"], k, L["vs"], s["d"] ** -0.5, L["bias"], out, work, False,
-                (L["cos"], L["sin"]) if on_load else None,
+                q, L["kp"], L["vp"], k, L["vs"], s["d"] ** -0.5, L["bias"], out, work,
+                attn_k.REDUCE, (L["cos"], L["sin"]) if on_load else None,
             )  # fmt: skip
             return out, lambda: [la.run() for la in launches]
         yield ("rope on load" if on_load else "rope_pair, then the attention"), make

@@ -59,7 +59,9 @@ from embodied_kv.bench import harness, kernel_profile, latency_breakdown, lerobo
 from embodied_kv.bench.report import print_table
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
+from embodied_kv.kernels import expert_attention as attention_kernels
 from embodied_kv.kernels import fallback, prefill_tile
+from embodied_kv.kernels.expert_attention import REDUCE
 from embodied_kv.kernels.prefill_tile import KEY_SPLITS
 from embodied_kv.model.camera_frames import CameraFrames
 from embodied_kv.model.config import get_preset
@@ -157,9 +159,10 @@ def layer_step(engine: str) -> bool:
 def configure(model, engine: str) -> None:
     """The model's switches as `engine` runs (and captured) it: the expert's layer-step, and
     for graphs_prev the untimed fusions off (model/expert.py rope_in_attention,
-    model/backbone.py fused_epilogues)."""
+    model/backbone.py fused_epilogues, the expert attention's persistent queue)."""
     model.expert.fused_layer_step = layer_step(engine)
     model.expert.rope_in_attention = model.backbone.fused_epilogues = engine != "graphs_prev"
+    attention_kernels.REDUCE = "launch" if engine == "graphs_prev" else REDUCE
     prefill_tile.KEY_SPLITS = 1 if engine in ("graphs_prev", "graphs_unsplit") else KEY_SPLITS
 
 

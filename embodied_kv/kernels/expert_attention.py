@@ -4,9 +4,14 @@ the whole prefix and each other, bidirectionally).
 
 In torch (`expert_attention_ref`) this is 10 kernels per layer and Euler step (a permuted
 copy of q, two score products, a concatenation, the masked scale, softmax, a cast, two
-value products, a permuted copy back): 1,800 per action at pi05. Here it is two launches,
-the split partials and decode_splitk's reduce (`FUSED_REDUCE`: one launch whose last split
-per tile reduces measured 2.9x slower on an H200, so it is kept as an option).
+value products, a permuted copy back): 1,800 per action at pi05. Here the split partials
+and their reduce, in one of three forms (`REDUCE`): "launch", two launches (the partials,
+then decode_splitk's reduce; the fastest an H200 timed); "last", one launch whose last split
+per tile reduces (2.9x slower on that H200: 7 programs walk all the partials alone); "queue",
+one persistent launch (kernels/work_queue.py): a program per SM takes the partial items,
+then the reduce items, each combining QUEUE_COLS columns of a tile once the tile's splits
+have arrived. The queue is the two launches' work and parallelism without the launch
+between them; untimed on a GPU (`bench latency`'s graphs_prev runs "launch").
 
 RoPE on load (`rope=`, the chain's call, model/expert_step.py): q and the suffix k arrive as
 the q/k/v GEMM wrote them and the partials rotate them, with kernels/rope.py's arithmetic
@@ -22,20 +27,19 @@ suffix tokens [b*BLOCK_M, (b+1)*BLOCK_M) x the GROUP query heads of KV head h as
 8 tokens x 8 heads at pi05). Split j < NUM_SPLITS - 1 runs the online softmax over its
 chunk of the prefix rows (those whose mask entry is -inf neither loaded nor counted: rows
 past the prefix length in a graph's row bucket; a chunk may hold none), the last split over
-the H suffix rows; each writes its partial (max, sum, unnormalised output) and bumps its
-tile's arrival counter; the program that arrives last combines the tile's partials as
-decode_splitk's reduce does, in split order 0..NUM_SPLITS-1 (deterministic bytes), and resets
-the counter to 0 (reusable workspace, graph replay without a memset). No program waits on
-another (gemm_residual's hand-off). With fused_reduce=False the reduce is a second launch.
-One program per tile walking the whole prefix took 83 us a call on an H100 (7 programs on
-132 SMs at pi05; 180 calls per action).
+the H suffix rows; each writes its partial (max, sum, unnormalised output). "last" and
+"queue" count each tile's arrivals; whoever combines does it as decode_splitk's reduce does,
+in split order 0..NUM_SPLITS-1 (deterministic bytes: kernels/expert_combine.py), and the
+counters go back to 0 (reusable workspace, graph replay without a memset). One program per
+tile walking the whole prefix took 83 us a call on an H100 (7 programs on 132 SMs at pi05;
+180 calls per action).
 
-Under the interpreter the fused output equals the two-kernel path's bytes (tested). On a GPU
-the order of the split sum differs from the reduce kernel's tree (a few fp32 ulps), but the
-fused path is deterministic. sm_90 (triton 3.9 offline compile, bf16, D 256, group 8, 4 warps,
-2 stages; 32 / 16 splits): 227 / 235 registers, no spills, 64 KiB shared, wgmma (the partial
-alone: 221); the combine walks D in 64-column chunks (whole-D: 255 registers, ~200 B spills).
-Untimed and unraced on a device (no GPU here).
+Under the interpreter every form gives the two-kernel path's bytes (tested). On a GPU
+the order of the split sum differs from the reduce kernel's tree (a few fp32 ulps), but
+"last" and "queue" are deterministic. sm_90 (triton 3.9 offline compile, bf16, D 256,
+group 8, 4 warps, 2 stages, 32 splits; registers without / with RoPE, no spills, 64 KiB
+shared, wgmma): "launch" 221 / 254 (its reduce 43), "queue" 226 / 255; the combine walks D
+in chunks (whole-D: 255 registers, ~200 B spills). Untimed and unraced on a device.
 
 Supported range: as the prefill tile (fp32 / bf16 / fp16, D <= 256, group <= 32, any strides
 with a contiguous last dim). Every output row sees the H >= 1 suffix keys, so the reduce
@@ -47,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from embodied_kv.kernels.decode_splitk import MAX_SPLITS, MIN_SPLITS, plan_reduce, workspace
+from embodied_kv.kernels.expert_combine import QUEUE_COLS, reduce_items
 from embodied_kv.kernels.fallback import try_kernel
 from embodied_kv.kernels.prefill_tile import tile_config, tile_constexprs
 from embodied_kv.kernels.rope import check_tables, rope_on_load, rope_pair
@@ -61,6 +66,7 @@ from embodied_kv.kernels.triton_base import (
     triton,
     use_kernel,
 )
+from embodied_kv.kernels.work_queue import MAX_SPINS, QUEUE_WORDS, programs
 
 
 def expert_attention_ref(q, kp, vp, ks, vs, scale: float, bias: torch.Tensor) -> torch.Tensor:
@@ -94,8 +100,11 @@ BLOCKS_PER_SPLIT = 4  # key blocks of the prefix per program (BLOCK_N 16: 64 row
 # graph) the fused reduce took 39.4 us a call against 13.7 us for the two launches (16
 # splits; 16.6 / 17.2 / 19.8 us at 1 / 2 / 8 key blocks per split, 8 warps or BLOCK_N 32
 # slower): the 7 tiles' last programs each walk 16 partials of 64 x 256 fp32 alone, after
-# the rest of the grid has finished. torch's chain: 30.8 us.
-FUSED_REDUCE = False
+# the rest of the grid has finished. torch's chain: 30.8 us. "queue" (untimed): one
+# persistent launch whose reduce items spread each tile's combine over QUEUE_COLS-column
+# chunks, with no launch between (kernels/work_queue.py): the two launches' work in one.
+REDUCES = ("launch", "last", "queue")
+REDUCE = "queue"
 
 
 def split_count(n_prefix: int, block_n: int) -> int:
@@ -114,67 +123,9 @@ def chunk_blocks(n_prefix: int, block_n: int, splits: int) -> int:
 
 
 if triton is not None:
-    from embodied_kv.kernels.rope import rotated_rows
-    from embodied_kv.kernels.triton_base import attend_block, load_kv_block
-
-    @triton.jit
-    def _combine_splits(
-        m_ptr,  # [H, Hq, NUM_SPLITS] fp32 max per split
-        l_ptr,  # [H, Hq, NUM_SPLITS] fp32 denominator per split
-        acc_ptr,  # [H, Hq, NUM_SPLITS, D] fp32 unnormalised output per split
-        out_ptr,  # [H, Hq, D] output
-        tok,  # [ROWS] int64 suffix token of each tile row
-        heads,  # [ROWS] query head of each tile row
-        live_r,  # [ROWS] row is a real (token, head)
-        n_heads,  # Hq
-        stride_on,  # out stride over tokens
-        stride_oh,  # out stride over heads
-        ROWS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
-        COMBINE_D: tl.constexpr,  # output columns combined at a time
-    ):
-        # decode_splitk's reduce for a whole tile, same operations in the same order: the
-        # weighted outputs summed in split order 0, 1, ... (a loop, one [ROWS, COMBINE_D] tile
-        # live), the denominators with tl.sum over the [ROWS, NUM_SPLITS] tile. Loads from L2
-        # (.cg), where the other SMs' partials are.
-        part = (tok * n_heads + heads) * NUM_SPLITS  # [ROWS] split 0's workspace row
-        offs_s = tl.arange(0, NUM_SPLITS)
-        m = tl.load(
-            m_ptr + part[:, None] + offs_s[None, :],
-            mask=live_r[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )  # [ROWS, NUM_SPLITS]
-        l_s = tl.load(
-            l_ptr + part[:, None] + offs_s[None, :],
-            mask=live_r[:, None],
-            other=1.0,  # padded rows: a finite quotient, never stored
-            cache_modifier=".cg",
-        )
-        m_max = tl.max(m, 1)  # finite: the suffix split sees H >= 1 keys
-        denom = tl.sum(l_s * tl.exp2(m - m_max[:, None]), 1)
-        # D in chunks of COMBINE_D columns: a whole [64, 256] fp32 total plus its loaded
-        # partial is 256 registers a thread at 4 warps (sm_90: spills); a chunk is 1/4 of it
-        for d0 in range(0, BLOCK_D, COMBINE_D):
-            cols = d0 + tl.arange(0, COMBINE_D)
-            mask = live_r[:, None] & (cols < HEAD_DIM)[None, :]
-            total = tl.zeros([ROWS, COMBINE_D], dtype=tl.float32)
-            for s in range(NUM_SPLITS):
-                m_s = tl.load(m_ptr + part + s, mask=live_r, other=0.0, cache_modifier=".cg")
-                a = tl.load(
-                    acc_ptr + (part + s)[:, None] * HEAD_DIM + cols[None, :],
-                    mask=mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                total += a * tl.exp2(m_s - m_max)[:, None]
-            tl.store(
-                out_ptr + tok[:, None] * stride_on + heads[:, None] * stride_oh + cols[None, :],
-                (total / denom[:, None]).to(out_ptr.dtype.element_ty),
-                mask=mask,
-            )
+    from embodied_kv.kernels.expert_combine import combine_splits
+    from embodied_kv.kernels.expert_tile import attend_tile, attend_tile_call, rotate_keys
+    from embodied_kv.kernels.work_queue import arrive, grab, wait_for
 
     @triton.jit
     def _expert_attention_partial(
@@ -187,12 +138,14 @@ if triton is not None:
         m_ptr,  # [H, Hq, NUM_SPLITS] fp32 out: max score per split (exp2 domain)
         l_ptr,  # [H, Hq, NUM_SPLITS] fp32 out: softmax denominator per split
         acc_ptr,  # [H, Hq, NUM_SPLITS, D] fp32 out: unnormalised output per split
-        count_ptr,  # [tiles * Hkv] int32 arrivals per (tile, KV head), 0 between launches
-        out_ptr,  # [H, Hq, D] output, q's dtype (FUSED_REDUCE only)
+        count_ptr,  # int32 [2T + Hkv + 2] (T tiles x Hkv), 0 between launches: arrivals and
+        # reduce items done per tile, rotated keys per KV head, the queue's next item and flag
+        out_ptr,  # [H, Hq, D] output, q's dtype (FUSED_REDUCE, QUEUE)
         cos_ptr,  # [H, 1, D] fp32 RoPE table [c, c] of the suffix tokens (ROPE only)
         sin_ptr,  # [H, 1, D] fp32 [-s, s] (ROPE only)
         stride_cn,  # cos / sin stride over tokens
-        kr_ptr,  # [tiles, Hkv, H, D] q's dtype: each suffix program's rotated suffix keys (ROPE)
+        kr_ptr,  # q's dtype, contiguous: rotated suffix keys (ROPE), [T, H, D] a tile each
+        # (the grid), [Hkv, H, D] (QUEUE)
         stride_krt,  # its stride over tokens (D)
         h_len,  # H
         n_prefix,  # P
@@ -211,6 +164,7 @@ if triton is not None:
         stride_vsh,  # suffix v stride over kv heads
         stride_on,  # out stride over tokens
         stride_oh,  # out stride over heads
+        max_spins,  # QUEUE: polls before a wait gives up (kernels/work_queue.py)
         GROUP: tl.constexpr,  # Hq // Hkv
         GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
         BLOCK_M: tl.constexpr,  # suffix tokens per tile; BLOCK_M * GROUP_PAD >= 16
@@ -222,122 +176,102 @@ if triton is not None:
         DOT_IN_FP32: tl.constexpr,
         INPUT_PRECISION: tl.constexpr,
         FUSED_REDUCE: tl.constexpr,  # the last program of a tile combines the partials
+        QUEUE: tl.constexpr,  # a persistent grid taking the items below
+        REDUCE_ITEMS: tl.constexpr,  # QUEUE: reduce items per tile (QUEUE_COLS columns each)
+        QUEUE_COLS: tl.constexpr,
         ROPE: tl.constexpr,  # q and the suffix k arrive unrotated: rotate them (D a power of 2)
         ROUND_BF16: tl.constexpr,  # the rotation rounds by hand (the interpreter truncates)
     ):
-        # Grid (tiles, Hkv, NUM_SPLITS). Tile row r = (suffix token r // GROUP_PAD, query head
-        # r % GROUP_PAD of KV head h); split j < NUM_SPLITS - 1 reads prefix rows
-        # [j * chunk, (j + 1) * chunk), the last split the H suffix rows.
-        kv_head = tl.program_id(1).to(tl.int64)
-        split = tl.program_id(2)
-        offs_r = tl.arange(0, BLOCK_M * GROUP_PAD)
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
-        tok = tl.program_id(0).to(tl.int64) * BLOCK_M + offs_r // GROUP_PAD
-        g = offs_r % GROUP_PAD
-        mask_d = offs_d < HEAD_DIM
-        live_r = (tok < h_len) & (g < GROUP)  # [ROWS]
-        heads = kv_head * GROUP + g
-        q_at = q_ptr + tok[:, None] * stride_qn + heads[:, None] * stride_qh
-        # padded rows see q = 0: finite scores, no NaN
-        if ROPE:  # as kernels/rope.py would have stored it: the same bytes
-            q = rotated_rows(q_at, tok[:, None] * stride_cn, live_r[:, None], cos_ptr, sin_ptr,
-                             HEAD_DIM // 2, ROUND_BF16)  # fmt: skip
-            if split == NUM_SPLITS - 1:  # rotate the suffix keys into this program's scratch
-                # before the softmax state is live (rotating them in the loop spilled at sm_90)
-                tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-                kr_ptr += tile.to(tl.int64) * h_len * stride_krt
-                for block in range(0, h_len, BLOCK_N):
-                    rows = block + offs_n
-                    live_k = (rows < h_len)[:, None]  # [BLOCK_N, 1]
-                    k = rotated_rows(
-                        ks_ptr + kv_head * stride_ksh + rows[:, None] * stride_kst,
-                        rows[:, None] * stride_cn, live_k, cos_ptr, sin_ptr, HEAD_DIM // 2,
-                        ROUND_BF16,
+        # Grid (tiles, Hkv, NUM_SPLITS); or with QUEUE a persistent grid over the items, in
+        # dependency order: with ROPE a key rotation per KV head, then the T x NUM_SPLITS
+        # partials (tile-major; the suffix splits wait for their head's keys), then T x
+        # REDUCE_ITEMS reduces (each waits for its tile's NUM_SPLITS arrivals)
+        n_kv = n_heads // GROUP
+        n_tiles = tl.cdiv(h_len, BLOCK_M) * n_kv  # T: (tile, KV head) pairs
+        if QUEUE:
+            keys_ptr = count_ptr + 2 * n_tiles  # arrivals of each KV head's rotated keys
+            queue_ptr = keys_ptr + n_kv
+            n_rot = n_kv if ROPE else 0
+            n_part = n_rot + n_tiles * NUM_SPLITS
+            n_items = n_part + n_tiles * REDUCE_ITEMS
+            item = grab(queue_ptr)
+            while item < n_items:
+                if item < n_rot:
+                    rotate_keys(ks_ptr + item * stride_ksh, kr_ptr + item * h_len * stride_krt,
+                                 cos_ptr, sin_ptr, stride_cn, stride_kst, stride_krt, h_len,
+                                 HEAD_DIM, BLOCK_N, ROUND_BF16)  # fmt: skip
+                    arrive(keys_ptr + item)
+                elif item < n_part:
+                    tk = (item - n_rot) // NUM_SPLITS
+                    split = (item - n_rot) % NUM_SPLITS
+                    kv_head = tk % n_kv
+                    if ROPE:
+                        if split == NUM_SPLITS - 1:
+                            wait_for(keys_ptr + kv_head, 1, queue_ptr + 1, max_spins)
+                    attend_tile_call(
+                        tk // n_kv, kv_head, split, q_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr,
+                        bias_ptr, m_ptr, l_ptr, acc_ptr, cos_ptr, sin_ptr, stride_cn,
+                        kr_ptr, kv_head, stride_krt, h_len, n_prefix, chunk, qk_scale,
+                        n_heads, stride_qn, stride_qh, stride_kpt, stride_kph, stride_vpt,
+                        stride_vph, stride_kst, stride_ksh, stride_vst, stride_vsh, GROUP,
+                        GROUP_PAD, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_SPLITS, SPLIT_P,
+                        DOT_IN_FP32, INPUT_PRECISION, ROPE, False, ROUND_BF16,
                     )  # fmt: skip
-                    tl.store(kr_ptr + rows[:, None] * stride_krt + offs_d[None, :], k, mask=live_k)
-                tl.debug_barrier()  # every thread's keys stored before any is read back
+                    arrive(count_ptr + tk)
+                else:
+                    tk = (item - n_part) // REDUCE_ITEMS
+                    wait_for(count_ptr + tk, NUM_SPLITS, queue_ptr + 1, max_spins)
+                    combine_splits(
+                        m_ptr, l_ptr, acc_ptr, out_ptr, tk // n_kv, tk % n_kv, h_len, n_heads,
+                        stride_on, stride_oh, ((item - n_part) % REDUCE_ITEMS) * QUEUE_COLS,
+                        GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM, NUM_SPLITS, QUEUE_COLS, QUEUE_COLS,
+                    )  # fmt: skip
+                    # the tile's last reduce item: every wait on its arrivals has passed
+                    if arrive(count_ptr + n_tiles + tk) == REDUCE_ITEMS - 1:
+                        tl.atomic_xchg(count_ptr + tk, 0, sem="relaxed", scope="gpu")
+                        tl.atomic_xchg(count_ptr + n_tiles + tk, 0, sem="relaxed", scope="gpu")
+                item = grab(queue_ptr)
+            # the launch's last failed grab: every item is done; the queue and the key
+            # arrivals back to 0 for the next launch (kernels/work_queue.py)
+            if item == n_items + tl.num_programs(0) - 1:
+                for h in range(n_rot):
+                    tl.atomic_xchg(keys_ptr + h, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
         else:
-            q = tl.load(q_at + offs_d[None, :], mask=live_r[:, None] & mask_d[None, :], other=0.0)
-        m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M * GROUP_PAD], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], dtype=tl.float32)
-        if split < NUM_SPLITS - 1:  # a chunk of the prefix; it may hold no admitted row
-            kp_base = kp_ptr + kv_head * stride_kph
-            vp_base = vp_ptr + kv_head * stride_vph
-            start = split * chunk
-            end = tl.minimum(start + chunk, n_prefix)
-            for block in range(start, end, BLOCK_N):
-                rows = block + offs_n
-                b = tl.load(bias_ptr + rows, mask=rows < end, other=float("-inf"))
-                # masked rows are not even loaded: whatever a bucket's tail holds (stale rows
-                # of a language request, NaN) stays out of both products
-                admitted = b == 0.0  # [BLOCK_N]
-                k = tl.load(
-                    kp_base + rows[None, :] * stride_kpt + offs_d[:, None],
-                    mask=admitted[None, :] & mask_d[:, None],
-                    other=0.0,
-                )  # [BLOCK_D, BLOCK_N]
-                v = tl.load(
-                    vp_base + rows[:, None] * stride_vpt + offs_d[None, :],
-                    mask=admitted[:, None] & mask_d[None, :],
-                    other=0.0,
-                )  # [BLOCK_N, BLOCK_D]
-                m_i, l_i, acc = attend_block(
-                    q, k, v, admitted[None, :], m_i, l_i, acc, qk_scale,
-                    SPLIT_P, DOT_IN_FP32, INPUT_PRECISION,
-                )  # fmt: skip
-        else:  # the suffix, bidirectional: every row sees H >= 1 keys, so m_i is finite
-            ks_base = ks_ptr + kv_head * stride_ksh
-            if ROPE:  # the rotated keys this program stored above
-                ks_base = kr_ptr
-                stride_kst = stride_krt
-            vs_base = vs_ptr + kv_head * stride_vsh
-            for block in range(0, h_len, BLOCK_N):
-                rows = block + offs_n
-                k, v = load_kv_block(
-                    ks_base, vs_base, rows, h_len, offs_d, mask_d, stride_kst, stride_vst
-                )
-                valid = (rows < h_len)[None, :]
-                m_i, l_i, acc = attend_block(
-                    q, k, v, valid, m_i, l_i, acc, qk_scale,
-                    SPLIT_P, DOT_IN_FP32, INPUT_PRECISION,
-                )  # fmt: skip
-        part = (tok * n_heads + heads) * NUM_SPLITS + split  # [ROWS] rows of the workspace
-        tl.store(m_ptr + part, m_i, mask=live_r)
-        tl.store(l_ptr + part, l_i, mask=live_r)
-        tl.store(
-            acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-            acc,
-            mask=live_r[:, None] & mask_d[None, :],
-        )
-        if FUSED_REDUCE:
-            # as gemm_residual: every thread's partial stored before the one atomic releases
-            # them (gpu scope); its acquire and the barrier handing out its result order the
-            # loads below. The last arrival combines; nobody waits.
-            tl.debug_barrier()
-            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                _combine_splits(
-                    m_ptr, l_ptr, acc_ptr, out_ptr, tok, heads, live_r, n_heads, stride_on,
-                    stride_oh, BLOCK_M * GROUP_PAD, HEAD_DIM, BLOCK_D, NUM_SPLITS,
-                    min(BLOCK_D, 64),
-                )  # fmt: skip
-                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+            attend_tile(
+                tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, kp_ptr, vp_ptr,
+                ks_ptr, vs_ptr, bias_ptr, m_ptr, l_ptr, acc_ptr, cos_ptr, sin_ptr, stride_cn,
+                kr_ptr, 0, stride_krt, h_len, n_prefix, chunk,
+                qk_scale, n_heads, stride_qn, stride_qh, stride_kpt, stride_kph, stride_vpt,
+                stride_vph, stride_kst, stride_ksh, stride_vst, stride_vsh, GROUP, GROUP_PAD,
+                BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, NUM_SPLITS, SPLIT_P, DOT_IN_FP32,
+                INPUT_PRECISION, ROPE, True, ROUND_BF16,
+            )  # fmt: skip
+            if FUSED_REDUCE:
+                # as gemm_residual: the last arrival of a tile combines; nobody waits
+                tile = tl.program_id(0) * n_kv + tl.program_id(1)
+                if arrive(count_ptr + tile) == NUM_SPLITS - 1:
+                    combine_splits(
+                        m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
+                        h_len, n_heads, stride_on, stride_oh, 0, GROUP, GROUP_PAD, BLOCK_M,
+                        HEAD_DIM, NUM_SPLITS, BLOCK_D, min(BLOCK_D, 64),  # COMBINE_D
+                    )  # fmt: skip
+                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 def expert_workspace(h_len: int, hq: int, hkv: int, d: int, n_prefix: int, dtype, device):
     """(m, l, acc, counters) for `plan_expert_attention`: decode_splitk's partials for the
-    shape's split count, plus [tiles * Hkv] int32 zeros (the fused reduce's arrivals).
+    shape's split count, plus int32 zeros [2T + Hkv + 2] for T = tiles x Hkv: arrivals per
+    tile, reduce items done per tile, rotated keys per KV head, and the queue's next item and
+    error flag (`work_queue.failed(counters[-2:])`).
 
-    Allocate once per shape (a graph's row bucket) and reuse: the fused kernel leaves the
-    counters at 0, while a fresh workspace is a memset launch. Calls sharing one must run in
-    order on one stream."""
+    Allocate once per shape (a graph's row bucket) and reuse: the fused and queued kernels
+    leave the counters at 0, while a fresh workspace is a memset launch. Calls sharing one
+    must run in order on one stream."""
     cfg = tile_config(dtype, hq // hkv)
     splits = split_count(n_prefix, cfg.block_n)
     tiles = -(-h_len // cfg.block_m) * hkv
-    count = torch.zeros(tiles, dtype=torch.int32, device=device)
+    count = torch.zeros(2 * tiles + QUEUE_WORDS + hkv, dtype=torch.int32, device=device)
     return (*workspace(h_len, hq, d, splits, device), count)
 
 
@@ -350,7 +284,7 @@ def check_workspace(work, h_len: int, hq: int, hkv: int, d: int, n_prefix: int, 
         (h_len, hq, splits),
         (h_len, hq, splits),
         (h_len, hq, splits, d),
-        (-(-h_len // cfg.block_m) * hkv,),
+        (2 * -(-h_len // cfg.block_m) * hkv + QUEUE_WORDS + hkv,),
     )
     got = tuple(tuple(t.shape) for t in work) if len(work) == 4 else None
     dtypes = [t.dtype for t in work] if got is not None else None
@@ -359,14 +293,17 @@ def check_workspace(work, h_len: int, hq: int, hkv: int, d: int, n_prefix: int, 
 
 
 def plan_expert_attention(
-    q, kp, vp, ks, vs, scale: float, bias, out, work=None, fused_reduce: bool = FUSED_REDUCE,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q, kp, vp, ks, vs, scale: float, bias, out, work=None, reduce: str = REDUCE,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None, max_spins: int = MAX_SPINS,
 ) -> list[Launch]:  # fmt: skip
     """The launches of an expert attention call (inputs already validated; `meta` tensors
-    work): one kernel whose last split of each tile reduces (fused_reduce), else the split
-    partials then decode_splitk's reduce over them (same workspace layout, counters unused).
+    work), by `reduce` (REDUCES): "launch", the split partials then decode_splitk's reduce
+    over them; "last", one kernel whose last split of each tile reduces; "queue", one
+    persistent kernel (a program per SM) taking the partials, then the reduce items.
     `work`: an `expert_workspace(...)`, allocated here if None. `rope`: (cos, sin) [H, 1, D]
     fp32 (`Rope.at` of the suffix): q and ks arrive unrotated and are rotated as loaded."""
+    if reduce not in REDUCES:
+        raise ValueError(f"reduce: one of {REDUCES}, got {reduce!r}")
     h_len, hq, d = q.shape
     n_p, hkv = kp.shape[0], kp.shape[1]
     group = hq // hkv
@@ -377,41 +314,50 @@ def plan_expert_attention(
         work = expert_workspace(h_len, hq, hkv, d, n_p, q.dtype, q.device)
     m, l_s, acc, count = work
     tag = f"{str(q.dtype).removeprefix('torch.')} D={d} group={group} splits={splits}"
-    name = "expert_attention_fused" if fused_reduce else "expert_attention"
+    name = {"launch": "expert_attention", "last": "expert_attention_fused",
+            "queue": "expert_attention_queue"}[reduce]  # fmt: skip
     cos, sin = rope if rope is not None else (bias, bias)  # never read without ROPE
-    # the suffix programs' rotated keys (ROPE): one [H, D] scratch each, held by the graph
+    # the rotated suffix keys (ROPE): a [H, D] scratch a tile (the grid) or a KV head (the
+    # queue: rotated once, by an item), held by the graph
     tiles = -(-h_len // cfg.block_m) * hkv
-    kr = q.new_empty(tiles, h_len, d) if rope is not None else q  # never read without ROPE
+    scratch = hkv if reduce == "queue" else tiles
+    kr = q.new_empty(scratch, h_len, d) if rope is not None else q  # never read without ROPE
     args = (
         q, kp, vp, ks, vs, bias, m, l_s, acc, count, out, cos, sin,
         cos.stride(0) if rope is not None else 0, kr, d, h_len, n_p, chunk, scale * LOG2E, hq,
         q.stride(0), q.stride(1), kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), out.stride(0), out.stride(1),
+        max_spins,
     )  # fmt: skip
+    items = tiles * (splits + reduce_items(pow2(d))) + (hkv if rope is not None else 0)
+    grid = (programs(items, q.device),) if reduce == "queue" else (tiles // hkv, hkv, splits)
     partial = Launch(
         name=f"{name}{'_rope' if rope is not None else ''} {tag} block_m={cfg.block_m} "
         f"block_n={cfg.block_n}",
         kernel=_expert_attention_partial,
-        grid=(-(-h_len // cfg.block_m), hkv, splits),
+        grid=grid,
         args=args,
         constexprs={
             **tile_constexprs(cfg, group, d, q.dtype),
             "NUM_SPLITS": splits,
-            "FUSED_REDUCE": fused_reduce,
+            "FUSED_REDUCE": reduce == "last",
+            "QUEUE": reduce == "queue",
+            "REDUCE_ITEMS": reduce_items(pow2(d)),
+            "QUEUE_COLS": QUEUE_COLS,
             "ROPE": rope is not None,
             "ROUND_BF16": INTERPRETED and q.dtype == torch.bfloat16,
         },
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if fused_reduce:
+    if reduce != "launch":
         return [partial]
     return [partial, plan_reduce(m, l_s, acc, out, f"expert_reduce {tag}")]
 
 
 def expert_attention_kernel(
-    q, kp, vp, ks, vs, scale: float, bias, work=None, fused_reduce: bool = FUSED_REDUCE,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q, kp, vp, ks, vs, scale: float, bias, work=None, reduce: str = REDUCE,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None, max_spins: int = MAX_SPINS,
 ) -> torch.Tensor:  # fmt: skip
     """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); `work`: an
     `expert_workspace` kept by the caller, else one is allocated per call; `rope`: see
@@ -443,7 +389,7 @@ def expert_attention_kernel(
         check_rope(rope, h_len, d)
     out = torch.empty(h_len, hq, d, dtype=q.dtype, device=q.device)
     for launch in plan_expert_attention(
-        q, kp, vp, ks, vs, scale, bias, out, work, fused_reduce, rope
+        q, kp, vp, ks, vs, scale, bias, out, work, reduce, rope, max_spins
     ):
         launch.run()
     return out
@@ -460,7 +406,7 @@ def check_rope(rope, h_len: int, d: int) -> None:
 
 
 def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None, rope=None) -> torch.Tensor:
-    """Dispatch: the Triton kernel (partials + reduce, FUSED_REDUCE) on CUDA, the reference
+    """Dispatch: the Triton kernel (partials + reduce, as REDUCE says) on CUDA, the reference
     elsewhere. `work`: an `expert_workspace` for these shapes, reused across calls. `rope`:
     (cos, sin) [H, 1, D] fp32 when q and ks are not rotated yet: the kernel rotates them as
     it loads them (no RoPE launch); the reference path rotates first (kernels/rope.py
@@ -471,7 +417,7 @@ def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None, rope=None
         rope = None
     if kernel:
         out = try_kernel("expert_attention", expert_attention_kernel, q, kp, vp, ks, vs, scale,
-                         bias, work, FUSED_REDUCE, rope)  # fmt: skip
+                         bias, work, REDUCE, rope)  # fmt: skip
         if out is not None:
             return out
     if rope is not None:  # the kernel failed: the reference path rotates first

@@ -208,10 +208,12 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     bias = torch.empty(1024 + 50, device="meta")
     # unrotated q and suffix k with the suffix's RoPE tables (the chain) and rotated ones
     tables = (torch.empty(50, 1, d, device="meta"),) * 2
+    # and the persistent queue (the default) beside the two launches (bench latency's prev)
     for rope in (tables, None):
-        for att in plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias, q,
-                                         rope=rope):  # fmt: skip
-            launches.setdefault(att.name, att)
+        for reduce in ("queue", "launch"):
+            for att in plan_expert_attention(q, kv, kv, q[:, :hkv], q[:, :hkv], d**-0.5, bias,
+                                             q, None, reduce, rope):  # fmt: skip
+                launches.setdefault(att.name, att)
     # VL-Cache's statistics: the prompt text's rows (here 64) over a 3-camera prefix (1024 rows)
     q = torch.empty(64, hq, d, dtype=torch.bfloat16, device="meta")
     blocks = -(-64 // STATS_BLOCK_M)

@@ -52,7 +52,7 @@ class ActionExpert(nn.Module):
         self.time_mlp_out = nn.Linear(e.width, e.width)
         self.scale = e.head_dim**-0.5
         self.flow_mods = FlowModulationCache()  # model/flow_constants.py: once per weights
-        self.workspaces = WorkspaceCache()  # split-K buffers of the fused layer-step (CUDA)
+        self.workspaces = WorkspaceCache()  # split-K buffers of the layer-step (CUDA)
         # True: CUDA runs the five fused kernels (model/expert_step.py); False: the chain
         self.fused_layer_step = FUSED_LAYER_STEP
         # the chain's attention rotates q and k itself (kernels/expert_attention.py rope=);
@@ -188,14 +188,15 @@ class ActionExpert(nn.Module):
             if self.takes_fused(mod, layer, h):
                 h, xn = layer_step_fused(layer, h, inputs, self.workspaces), None
             elif i < last and self.takes_fused(mod, self.layers[i + 1], h):
-                h = layer_step_ref(layer, h, inputs, xn, rope_in_attention=self.rope_in_attention)
+                h = layer_step_ref(layer, h, inputs, xn, rope_in_attention=self.rope_in_attention,
+                                   work=self.workspaces)  # fmt: skip
                 xn = None
             else:  # the closing residual and the norm after it: one kernel on CUDA
                 nxt = self.norm if i == last else self.layers[i + 1].input_layernorm
                 jn = -1 if i == last else j + 2
                 h, xn = layer_step_ref(layer, h, inputs, xn,
                                        (mod.scale1[jn, k], mod.shift[jn, k], nxt.eps),
-                                       self.rope_in_attention)  # fmt: skip
+                                       self.rope_in_attention, self.workspaces)  # fmt: skip
         if xn is None:
             xn = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
         return xn

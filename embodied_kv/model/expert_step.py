@@ -15,8 +15,9 @@ against each other in test/model/test_expert_step.py. `fused_ready` picks: the f
 needs the q/k/v and gate/up fusions in use (CUDA inference) and the tensors on CUDA; and
 model/expert.py FUSED_LAYER_STEP, False since an H200 measured the chain faster.
 
-The chain as CUDA runs it: 9 kernels per layer-step (the q/k/v GEMM, the attention's
-partials, which rotate q and the suffix k as they load them, and its reduce, o_proj, the
+The chain as CUDA runs it: 8 kernels per layer-step (the q/k/v GEMM, the attention's
+partials, which rotate q and the suffix k as they load them, and its reduce, in one
+persistent launch (kernels/expert_attention.py REDUCE), o_proj, the
 gated residual with the post-attention norm in one kernel (kernels/gated_rms_norm.py),
 gate/up, GELU-gate, down, and the gated residual with the next norm, the next layer's input
 norm or the final one, in one); on the CPU the same ops one by one, the bytes unchanged.
@@ -32,7 +33,7 @@ from embodied_kv.kernels import expert_attention as attention_kernels
 from embodied_kv.kernels import gemm_residual
 from embodied_kv.kernels import norm_gate_up as gate_up_kernels
 from embodied_kv.kernels import norm_qkv_rope as qkv_kernels
-from embodied_kv.kernels.expert_attention import expert_attention
+from embodied_kv.kernels.expert_attention import expert_attention, expert_workspace
 from embodied_kv.kernels.gated_rms_norm import gated_rms_norm
 from embodied_kv.kernels.gemm_residual import linear_gated_residual
 from embodied_kv.kernels.norm_gate_up import norm_gate_up
@@ -76,6 +77,7 @@ def layer_step_ref(
     xn: torch.Tensor | None = None,
     next_norm: NextNorm | None = None,
     rope_in_attention: bool = True,
+    work: WorkspaceCache | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The chain, op for op (the CPU bytes): h [H, W] -> h after the layer.
 
@@ -84,7 +86,8 @@ def layer_step_ref(
     the expert's final one): the closing gated residual and that norm run as one kernel on
     CUDA, and the result is (h, its norm). On the CPU the same ops in the same order.
     `rope_in_attention=False`: RoPE's own launch before the attention (the chain before the
-    attention rotated them: bench latency's `graphs_prev`)."""
+    attention rotated them: bench latency's `graphs_prev`). `work`: the caller's workspaces
+    (the attention's, reused across calls on CUDA: no counters zeroed per call)."""
     attn, h_len = layer.self_attn, h.shape[0]
     if xn is None:
         xn = layer.input_layernorm.modulate(h, s.scale1[0], s.shift[0])
@@ -95,7 +98,8 @@ def layer_step_ref(
     if not rope_in_attention:
         q, k = Rope.rotate_pair(q, k, s.cos_sin)  # one kernel on CUDA with the fused q/k/v
     rope = s.cos_sin if rope_in_attention else None
-    o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias, rope=rope)
+    att_work = work.attention(q, s.kp) if work is not None else None
+    o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias, att_work, rope=rope)
     # addcmul, then the post-attention norm: one kernel on CUDA (kernels/gated_rms_norm.py)
     h, xn = gated_rms_norm(h, attn.o_proj(o.reshape(h_len, -1)), s.gate[0], s.scale1[1],
                            s.shift[1], layer.post_attention_layernorm.eps)  # fmt: skip
@@ -118,7 +122,7 @@ def layer_step_fused(
     fusion = attn.fusion
     q, k, v = qkv_op(h, s.scale1[0], s.shift[0], layer.input_layernorm.eps, fusion.weight,
                      fusion.sizes, *s.cos_sin)  # fmt: skip
-    o = attn_op(q, s.kp, s.vp, k, v, s.scale, s.bias).reshape(h_len, -1)
+    o = attn_op(q, s.kp, s.vp, k, v, s.scale, s.bias, work.attention(q, s.kp)).reshape(h_len, -1)
     w_o = attn.o_proj.weight
     h = residual_op(h, o, w_o, s.gate[0], work.get(h, w_o))
     hidden = mlp.fusion.sizes[0]
@@ -130,12 +134,26 @@ def layer_step_fused(
 
 class WorkspaceCache:
     """The gated-residual GEMM's split-K workspace (fp32 partials + per-tile counters that
-    the kernel resets itself), one per (rows, width, K, dtype, device), allocated once:
-    allocated before a CUDA graph's capture it is a static buffer of the graph; a call per
-    layer reuses it in stream order."""
+    the kernel resets itself), one per (rows, width, K, dtype, device), and the expert
+    attention's (its split partials and counters, kernels/expert_attention.py), one per
+    shape, each allocated once: allocated before a CUDA graph's capture it is a static buffer
+    of the graph; a call per layer reuses it in stream order. (A workspace per call zeroed its
+    counters: a fill kernel per layer-step, 180 an action in the H200's profile.)"""
 
     def __init__(self) -> None:
         self._work: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._attention: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+    def attention(self, q: torch.Tensor, kp: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The expert attention's workspace for q [H, Hq, D] over prefix keys kp [P, Hkv, D]
+        on CUDA; None elsewhere (the reference path, or the interpreter's own per call)."""
+        if not q.is_cuda:
+            return None
+        (h_len, hq, d), (n_p, hkv) = q.shape, kp.shape[:2]
+        key = (h_len, hq, hkv, d, n_p, q.dtype, q.device)
+        if key not in self._attention:
+            self._attention[key] = expert_workspace(h_len, hq, hkv, d, n_p, q.dtype, q.device)
+        return self._attention[key]
 
     def get(self, h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         (n, width), k = h.shape, w.shape[1]

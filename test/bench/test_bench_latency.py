@@ -5,7 +5,8 @@ import json
 import pytest
 
 from embodied_kv.bench import latency, latency_breakdown, limit
-from embodied_kv.kernels import prefill_tile
+from embodied_kv.kernels import expert_attention, prefill_tile
+from embodied_kv.kernels.expert_attention import REDUCE
 from embodied_kv.kernels.prefill_tile import KEY_SPLITS
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert import FUSED_LAYER_STEP
@@ -134,11 +135,13 @@ def test_configure_sets_each_engines_switches_and_restores_the_products():
     latency.configure(m, "graphs_prev")
     assert not m.expert.rope_in_attention and not m.backbone.fused_epilogues
     assert m.expert.fused_layer_step == FUSED_LAYER_STEP and prefill_tile.KEY_SPLITS == 1
+    assert expert_attention.REDUCE == "launch"  # the attention's two launches
     latency.configure(m, "graphs_unsplit")
     assert m.expert.rope_in_attention and prefill_tile.KEY_SPLITS == 1
+    assert expert_attention.REDUCE == REDUCE
     latency.configure(m, "graphs_alt")
     assert m.expert.fused_layer_step != FUSED_LAYER_STEP and m.backbone.fused_epilogues
     latency.configure(m, "graphs")
     assert m.expert.rope_in_attention and m.backbone.fused_epilogues
     assert m.expert.fused_layer_step == FUSED_LAYER_STEP
-    assert prefill_tile.KEY_SPLITS == KEY_SPLITS
+    assert prefill_tile.KEY_SPLITS == KEY_SPLITS and expert_attention.REDUCE == REDUCE

@@ -46,7 +46,7 @@ def test_the_grid_holds_the_committed_tiles():
         "gated_residual_down": f"block_n={cfg.block_n} block_k={cfg.block_k} "
                                f"split_k={cfg.split_k} warps=4 stages=3",
         "expert_attention": f"blocks_per_split={expert_attention.BLOCKS_PER_SPLIT} "
-                            f"fused_reduce={expert_attention.FUSED_REDUCE} block_n=16 warps=4 "
+                            f"reduce={expert_attention.REDUCE} block_n=16 warps=4 "
                             "stages=2",
     }  # fmt: skip
     grids = {name: labels(cands(False)) for name, *_, cands in kernel_sweep.kernels(s)}

@@ -5,8 +5,10 @@ interpreter on CPU: suffix lengths that end mid-tile, prefixes masked past their
 import pytest
 import torch
 
+from embodied_kv.kernels import work_queue
 from embodied_kv.kernels.decode_splitk import MAX_SPLITS
 from embodied_kv.kernels.expert_attention import (
+    REDUCES,
     chunk_blocks,
     expert_attention_kernel,
     expert_attention_ref,
@@ -116,36 +118,61 @@ def _work(q, kp):
     return expert_workspace(h_len, hq, hkv, d, n_p, q.dtype, q.device)
 
 
+@pytest.mark.parametrize("reduce", ["last", "queue"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("case", "heads"), [("bucket", "gqa3"), ("masked_splits", "pi05")])
-def test_fused_reduce_matches_two_kernels_bytewise(kernel, dtype, case, heads):
-    """One kernel (the last split of a tile reduces) = partials + separate reduce, byte for
-    byte under the interpreter; run twice on one workspace: same bytes, counters back at 0.
-    masked_splits holds splits with no admitted row."""
+def test_one_launch_reduces_match_two_kernels_bytewise(kernel, reduce, dtype, case, heads):
+    """One kernel = partials + separate reduce, byte for byte under the interpreter: the last
+    split of a tile reduces ("last"), or the persistent queue's reduce items do ("queue"); run
+    twice on one workspace: same bytes, every counter (and the queue) back at 0, no wait
+    timed out. (On a GPU the reduce kernel's tree order differs by a few fp32 ulps.) masked_splits holds splits with no admitted row; gqa3 two KV heads."""
     args = inputs(case, HEADS[heads], dtype, seed=2)
     work = _work(args[0], args[1])
-    fused = expert_attention_kernel(*args, work=work)
-    assert int(work[3].abs().sum()) == 0 and work[3].numel() > 0
-    again = expert_attention_kernel(*args, work=work)
-    two = expert_attention_kernel(*args, fused_reduce=False)
-    assert torch.equal(fused, again) and torch.equal(fused, two)
+    one = expert_attention_kernel(*args, work=work, reduce=reduce)
+    assert int(work[3].abs().sum()) == 0 and work[3].numel() > 2
+    again = expert_attention_kernel(*args, work=work, reduce=reduce)
+    two = expert_attention_kernel(*args, reduce="launch")
+    assert torch.equal(one, again)
+    if DEVICE == "cpu":
+        assert torch.equal(one, two)
+    else:  # the reduce kernel sums the splits as a tree: a few fp32 ulps, one of the dtype
+        ulp = 2e-6 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(one, two, atol=ulp, rtol=ulp)
     assert int(work[3].abs().sum()) == 0
     exact = finite_ref(*(a.float() if torch.is_tensor(a) else a for a in args[:6]), args[6])
     tol = FP32_TOL if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(fused.float(), exact, atol=tol, rtol=tol)
+    torch.testing.assert_close(one.float(), exact, atol=tol, rtol=tol)
 
 
-def test_fused_is_one_launch_and_the_default_is_the_measured_faster_two():
+def test_the_queue_is_one_persistent_launch_and_the_default():
     meta = {"dtype": torch.bfloat16, "device": "meta"}
     q, kv = torch.empty(50, 8, 256, **meta), torch.empty(1024, 1, 256, **meta)
     bias = torch.empty(1074, device="meta")
     args = (q, kv, kv, q[:, :1], q[:, :1], 0.0625, bias, q, None)
-    fused = plan_expert_attention(*args, True)
-    two = plan_expert_attention(*args, False)
-    assert [x.name.split()[0] for x in fused] == ["expert_attention_fused"]
-    assert [x.name.split()[0] for x in two] == ["expert_attention", "expert_reduce"]
-    # an H200 timed the fused reduce 2.9x slower at pi05 (kernels/expert_attention.py)
-    assert [x.name for x in plan_expert_attention(*args)] == [x.name for x in two]
+    plans = {r: plan_expert_attention(*args, r) for r in REDUCES}
+    assert [x.name.split()[0] for x in plans["last"]] == ["expert_attention_fused"]
+    assert [x.name.split()[0] for x in plans["launch"]] == ["expert_attention", "expert_reduce"]
+    (queue,) = plans["queue"]
+    # 7 tiles x 16 splits partials + 7 x 8 reduce items, on a persistent grid (meta: CPU's)
+    assert queue.name.split()[0] == "expert_attention_queue"
+    assert queue.grid == (work_queue.programs(7 * 16 + 7 * 8, "cpu"),)
+    assert [x.name for x in plan_expert_attention(*args)] == [queue.name]
+    with pytest.raises(ValueError, match="reduce"):
+        plan_expert_attention(*args, "fused")
+
+
+def test_a_wait_that_cannot_be_met_flags_an_error_and_returns(kernel):
+    """The queue's waits are bounded: arrivals that never come (a tile's counter started
+    below zero, as a bug could leave it) end in the error flag after max_spins polls, not in
+    a hang; the flag stays for the caller (work_queue.failed) until it clears it."""
+    args = inputs("bucket", HEADS["gqa3"], seed=5)
+    work = _work(args[0], args[1])
+    work[3][0] = -1
+    expert_attention_kernel(*args, work=work, reduce="queue", max_spins=3)
+    assert work_queue.failed(work[3][-2:])
+    work[3].zero_()
+    expert_attention_kernel(*args, work=work, reduce="queue", max_spins=3)
+    assert not work_queue.failed(work[3][-2:])
 
 
 def test_workspace_of_another_shape_is_refused(kernel):
@@ -165,10 +192,10 @@ def test_workspace_of_another_shape_is_refused(kernel):
 )
 def test_rope_on_load_is_the_rope_kernel_then_the_attention_bytewise(kernel, dtype, case, heads):
     """The chain hands q and the suffix k over unrotated, as adjacent heads of the fused
-    q/k/v output, with the suffix's RoPE tables: the kernel rotates them as it loads them,
-    the same bytes as kernels/rope.py's rotation stored first (irregular positions; the
-    suffix ends mid-tile). The dispatcher's reference path (rope_pair, then the reference)
-    agrees within the low-precision tolerance."""
+    q/k/v output, with the suffix's RoPE tables: the kernel rotates them as it loads them
+    (each of its reduce forms), the same bytes as kernels/rope.py's rotation stored first
+    (irregular positions; the suffix ends mid-tile). The dispatcher's reference path
+    (rope_pair, then the reference) agrees within the low-precision tolerance."""
     q, kp, vp, ks, vs, scale, bias = inputs(case, HEADS[heads], dtype, seed=3)
     h_len, hq, d = q.shape
     hkv = kp.shape[1]
@@ -179,11 +206,11 @@ def test_rope_on_load_is_the_rope_kernel_then_the_attention_bytewise(kernel, dty
     positions = torch.randint(0, 2048, (h_len,), generator=torch.Generator().manual_seed(4))
     cos, sin = rope.at(positions.to(DEVICE))
     rq, rk = rope_kernel(q, cos, sin), rope_kernel(ks, cos, sin)
-    want = expert_attention_kernel(rq, kp, vp, rk, vs, scale, bias, fused_reduce=False)
-    got = expert_attention_kernel(
-        q, kp, vp, ks, vs, scale, bias, fused_reduce=False, rope=(cos, sin)
-    )
-    assert torch.equal(got, want)
+    for reduce in REDUCES:  # each tile's suffix split rotates the keys, or a queue item does
+        want = expert_attention_kernel(rq, kp, vp, rk, vs, scale, bias, reduce=reduce)
+        got = expert_attention_kernel(q, kp, vp, ks, vs, scale, bias, reduce=reduce,
+                                      rope=(cos, sin))  # fmt: skip
+        assert torch.equal(got, want), reduce
     rq, rk = rope_pair(q, ks, cos, sin)  # on a CPU: rope_ref, the chain's bytes
     ref = finite_ref(*(t.float() for t in (rq, kp, vp, rk, vs)), scale, bias)
     tol = FP32_TOL if dtype == torch.float32 else 2e-2

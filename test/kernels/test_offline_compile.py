@@ -36,6 +36,7 @@ def test_pi05_kernels_compile_for_sm90_without_spills(tmp_path):
     kernels = {r["name"].split()[0] for r in rows}
     want = {"splitk_partial", "splitk_reduce", "prefill_tile", "rms_norm", "rope"}
     want |= {"expert_attention", "expert_attention_rope", "expert_reduce", "gelu_gate"}
+    want |= {"expert_attention_queue", "expert_attention_queue_rope"}  # the default
     want |= {"attn_stats"}
     want |= {"norm_qkv_rope", "norm_gate_up", "linear_gated_residual", "add_layer_norm"}
     want |= {"gated_rms_norm", "add_rms_norm", "flow_action_in", "flow_euler_out", "rope_store"}

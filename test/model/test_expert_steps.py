@@ -7,7 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from embodied_kv.bench.estimate import H100, cuda_kernels
 from embodied_kv.bench.kernel_census import Census, Roofline
-from embodied_kv.kernels.expert_attention import FUSED_REDUCE
+from embodied_kv.kernels.expert_attention import REDUCE
 from embodied_kv.model.config import get_preset
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.layers import Rope
@@ -25,13 +25,15 @@ CHUNK_ATOL = 1e-4
 # fused kernels (model/expert_step.py: norm->q/k/v+RoPE, attention + its reduce, o_proj +
 # gated residual, norm->gate/up+GELU-gate, down + gated residual), 5 with the attention's reduce
 # inside (issue 33 asked <= 5), 6 again since an H200 timed that reduce inside at 39.4 us a
-# call against 13.7 us for partials + reduce (kernels/expert_attention.py FUSED_REDUCE).
-MAX_KERNELS_PER_LAYER_STEP = 5 if FUSED_REDUCE else 6
+# call against 13.7 us for partials + reduce (kernels/expert_attention.py REDUCE "last"), 5
+# since the partials and their reduce run as one persistent launch (REDUCE "queue").
+MAX_KERNELS_PER_LAYER_STEP = 6 if REDUCE == "launch" else 5
 # The chain (CUDA's default, model/expert.py FUSED_LAYER_STEP): q/k/v GEMM, the attention's
 # partials (RoPE on q and k as they are loaded) + reduce, o_proj, gated residual +
 # post-attention norm, gate/up, GELU-gate, down, gated residual + the next layer's input norm
-# (kernels/gated_rms_norm.py): 9, from 13 (10 on 2026-12-04, then RoPE into the attention).
-CHAIN_KERNELS_PER_LAYER_STEP = 9
+# (kernels/gated_rms_norm.py): 9, from 13 (10 on 2026-12-04, then RoPE into the attention);
+# 8 with the partials and reduce one persistent launch.
+CHAIN_KERNELS_PER_LAYER_STEP = 9 if REDUCE == "launch" else 8
 
 
 def prefilled(m, seed=3):
