@@ -207,6 +207,26 @@ def linear_gated_residual_cost(h, x, w, gate, work=None) -> tuple[float, float]:
     return 2.0 * n * k * width, moved
 
 
+def layer_step_persistent_cost(layer, h, s, work=None, kernels=False) -> tuple[float, float]:
+    """The five kernels' work as one persistent launch (kernels/expert_layer_step.py): their
+    FLOPs and bytes summed (the reference path inside runs them, recorded as part of this)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    d, hq, hkv = attn.head_dim, attn.heads, attn.kv_heads
+    n = h.shape[0]
+    q = h.new_empty(n, hq, d)
+    kv = h.new_empty(n, hkv, d)
+    costs = [
+        norm_qkv_rope_cost(h, None, None, 0.0, attn.fusion.weight, [hq * d, hkv * d, hkv * d],
+                           *s.cos_sin),
+        *expert_attention_cost(q, s.kp, s.vp, kv, kv, s.scale, s.bias),
+        linear_gated_residual_cost(h, q.view(n, -1), attn.o_proj.weight, s.gate[0]),
+        norm_gate_up_cost(h, None, None, 0.0, mlp.fusion.weight, mlp.fusion.sizes[0]),
+        linear_gated_residual_cost(h, h.new_empty(n, mlp.fusion.sizes[0]),
+                                   mlp.down_proj.weight, s.gate[1]),
+    ]  # fmt: skip
+    return sum(c[0] for c in costs), sum(c[1] for c in costs)
+
+
 @contextmanager
 def as_one_kernel(census: Census, module, name: str, cost):
     """`module.name` recorded as the single kernel it is on CUDA, priced by `cost(*args)`."""
@@ -255,6 +275,7 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, step, "norm_qkv_rope", norm_qkv_rope_cost),
         as_one_kernel(census, step, "norm_gate_up", norm_gate_up_cost),
         as_one_kernel(census, step, "linear_gated_residual", linear_gated_residual_cost),
+        as_one_kernel(census, expert, "layer_step_persistent", layer_step_persistent_cost),
         as_one_kernel(census, residual_norm, "add_layer_norm", add_layer_norm_cost),
         fused_as_on_cuda(expert),
     ):

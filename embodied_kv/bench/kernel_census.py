@@ -105,11 +105,12 @@ class Census(TorchDispatchMode):
         """Ops inside are one GPU kernel (a fused / Triton kernel); `cost()` -> (FLOPs,
         bytes) or (FLOPs, bytes, serial loop steps of its longest program), evaluated
         unrecorded after the block, or a list of them where the fused op is a fixed
-        sequence of kernels (split partials, then their reduce)."""
+        sequence of kernels (split partials, then their reduce). Inside another single
+        kernel it is part of that one (a persistent kernel's phases): not recorded."""
         old, self._muted = self._muted, True
         try:
             yield
-            costs = cost()
+            costs = [] if old else cost()
         finally:
             self._muted = old
         for c in costs if isinstance(costs, list) else [costs]:

@@ -153,8 +153,11 @@ if triton is not None:
             mask=mask,
         )
 
-    @triton.jit
-    def _linear_gated_residual_fwd(
+    def gated_residual_tile_fn(
+        pid_m,  # row block
+        pid_n,  # output feature block
+        split,  # K split
+        n_tiles_n,  # output feature blocks (the grid's second dimension)
         x_ptr,  # [N, K] input rows
         w_ptr,  # [W, K] nn.Linear weight
         h_ptr,  # [N, W] residual stream
@@ -180,9 +183,6 @@ if triton is not None:
     ):
         # Grid (cdiv(N, BLOCK_M), cdiv(W, BLOCK_N), SPLIT_K): program (m, n, s) owns output
         # tile (m, n) and K columns [s * chunk, min((s + 1) * chunk, K)).
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        split = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -217,7 +217,7 @@ if triton is not None:
             # every thread's partial stored before the one atomic releases them (gpu scope);
             # the atomic's acquire and the barrier that hands out its result order the loads
             tl.debug_barrier()
-            tile = pid_m * tl.num_programs(1) + pid_n
+            tile = pid_m * n_tiles_n + pid_n
             arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -236,6 +236,43 @@ if triton is not None:
                     total, h_ptr, gate_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, width,
                     stride_h, ROUND_LIN, ROUND_BF16,
                 )  # fmt: skip
+
+    # the kernel's body: inlined in its kernel, a call in a persistent kernel's loop
+    gated_residual_tile = triton.jit(gated_residual_tile_fn)
+    gated_residual_tile_call = triton.jit(noinline=True)(gated_residual_tile_fn)
+
+    @triton.jit
+    def _linear_gated_residual_fwd(
+        x_ptr,  # [N, K] input rows
+        w_ptr,  # [W, K] nn.Linear weight
+        h_ptr,  # [N, W] residual stream
+        gate_ptr,  # [W] gate, h's dtype
+        out_ptr,  # [N, W] contiguous output: h + gate * (x @ w.T)
+        part_ptr,  # [SPLIT_K, N, W] fp32 partial products (SPLIT_K > 1 only)
+        count_ptr,  # [tiles] int32 arrivals per output tile, 0 between launches (SPLIT_K > 1)
+        n_rows,  # N
+        width,  # W
+        k_dim,  # K
+        chunk,  # K columns per split, a multiple of BLOCK_K
+        stride_x,  # x stride over rows (elements)
+        stride_w,  # w stride over rows
+        stride_h,  # h stride over rows
+        BLOCK_M: tl.constexpr,  # rows per tile
+        BLOCK_N: tl.constexpr,  # output features per tile
+        BLOCK_K: tl.constexpr,  # K columns per dot
+        SPLIT_K: tl.constexpr,  # programs along K per tile
+        ROUND_LIN: tl.constexpr,  # 16-bit dtype: x @ w.T rounded to it before the epilogue
+        ROUND_BF16: tl.constexpr,  # interpreter and bf16: see round_bf16
+        DOT_IN_FP32: tl.constexpr,  # interpreter only, see triton_base.dot
+        INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (cuBLAS's fp32 default)
+    ):
+        gated_residual_tile(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), x_ptr,
+            w_ptr, h_ptr, gate_ptr, out_ptr, part_ptr,
+            count_ptr, n_rows, width, k_dim, chunk, stride_x, stride_w, stride_h,
+            BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ROUND_LIN, ROUND_BF16, DOT_IN_FP32,
+            INPUT_PRECISION,
+        )  # fmt: skip
 
 
 def plan_linear_gated_residual(

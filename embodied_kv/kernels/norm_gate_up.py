@@ -57,8 +57,9 @@ if triton is not None:
     from embodied_kv.kernels.norm_prologue import norm_dot_pair
     from embodied_kv.kernels.triton_base import round_bf16
 
-    @triton.jit
-    def _norm_gate_up_fwd(
+    def norm_gate_up_tile_fn(
+        pid_m,  # row block
+        pid_c,  # column block of gate (and up)
         h_ptr,  # [N, W] residual stream, contiguous last dim
         scale_ptr,  # [W] fp32 1 + scale
         shift_ptr,  # [W] fp32 shift
@@ -79,9 +80,9 @@ if triton is not None:
     ):
         # grid (cdiv(N, BLOCK_M), cdiv(F, BLOCK_N)): program (m, c) owns rows [m*BLOCK_M, ...)
         # and features [c*BLOCK_N, ...): gate rows cols of the weight and up rows F + cols
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_c * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = cols < hidden
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows < n_rows
         g, acc_u = norm_dot_pair(
             h_ptr, scale_ptr, shift_ptr, w_ptr, rows, mask_m, cols, cols + hidden, mask_n,
@@ -94,6 +95,36 @@ if triton is not None:
         mask = mask_m[:, None] & mask_n[None, :]
         out = out_ptr + rows[:, None] * hidden + cols[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    # the kernel's body: inlined in its kernel, a call in a persistent kernel's loop
+    norm_gate_up_tile = triton.jit(norm_gate_up_tile_fn)
+    norm_gate_up_tile_call = triton.jit(noinline=True)(norm_gate_up_tile_fn)
+
+    @triton.jit
+    def _norm_gate_up_fwd(
+        h_ptr,  # [N, W] residual stream, contiguous last dim
+        scale_ptr,  # [W] fp32 1 + scale
+        shift_ptr,  # [W] fp32 shift
+        w_ptr,  # [2F, W] fused gate/up weight, h's dtype
+        out_ptr,  # [N, F] contiguous output
+        n_rows,  # N
+        width,  # W
+        hidden,  # F
+        eps,
+        stride_h,  # h stride over rows (elements)
+        stride_w,  # weight stride over rows
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,  # gate (and up) columns per program
+        BLOCK_K: tl.constexpr,
+        ROUND_BF16: tl.constexpr,  # round to nearest even by hand (the interpreter truncates)
+        DOT_IN_FP32: tl.constexpr,  # interpreter only, see triton_base.dot
+        INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding)
+    ):
+        norm_gate_up_tile(
+            tl.program_id(0), tl.program_id(1), h_ptr, scale_ptr, shift_ptr, w_ptr,
+            out_ptr, n_rows, width, hidden, eps, stride_h, stride_w, BLOCK_M, BLOCK_N,
+            BLOCK_K, ROUND_BF16, DOT_IN_FP32, INPUT_PRECISION,
+        )  # fmt: skip
 
 
 def plan_norm_gate_up(

@@ -65,8 +65,9 @@ if triton is not None:
     from embodied_kv.kernels.norm_prologue import norm_dot_pair
     from embodied_kv.kernels.triton_base import round_bf16
 
-    @triton.jit
-    def _norm_qkv_rope_fwd(
+    def norm_qkv_rope_tile_fn(
+        pid_m,  # row block
+        pid_p,  # column program: a chunk of a head's two halves
         h_ptr,  # [N, W] residual stream, contiguous last dim
         scale_ptr,  # [W] fp32 1 + scale
         shift_ptr,  # [W] fp32 shift
@@ -95,12 +96,12 @@ if triton is not None:
         # chunk p % chunks of [0, D/2): the two halves a rotation mixes
         HALF: tl.constexpr = HEAD_DIM // 2
         chunks = tl.cdiv(HALF, BLOCK_H)
-        head = tl.program_id(1) // chunks
-        offs_j = (tl.program_id(1) % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        head = pid_p // chunks
+        offs_j = (pid_p % chunks) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_j = offs_j < HALF
         cols_lo = head * HEAD_DIM + offs_j
         cols_hi = cols_lo + HALF
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         mask_m = rows < n_rows
         acc_lo, acc_hi = norm_dot_pair(
             h_ptr, scale_ptr, shift_ptr, w_ptr, rows, mask_m, cols_lo, cols_hi, mask_j, width,
@@ -123,6 +124,42 @@ if triton is not None:
         out = out_ptr + rows[:, None] * stride_o + cols_lo[None, :]
         tl.store(out, round_bf16(lo, ROUND_BF16).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF, round_bf16(hi, ROUND_BF16).to(out_ptr.dtype.element_ty), mask=mask)
+
+    # the kernel's body: inlined in its kernel, a call in a persistent kernel's loop
+    norm_qkv_rope_tile = triton.jit(norm_qkv_rope_tile_fn)
+    norm_qkv_rope_tile_call = triton.jit(noinline=True)(norm_qkv_rope_tile_fn)
+
+    @triton.jit
+    def _norm_qkv_rope_fwd(
+        h_ptr,  # [N, W] residual stream, contiguous last dim
+        scale_ptr,  # [W] fp32 1 + scale
+        shift_ptr,  # [W] fp32 shift
+        w_ptr,  # [heads * D, W] fused q/k/v weight, h's dtype
+        cos_ptr,  # [N, 1, D] fp32 [c, c] per row
+        sin_ptr,  # [N, 1, D] fp32 [-s, s] per row
+        out_ptr,  # [N, heads, D] contiguous output: q heads, k heads, v heads
+        n_rows,  # N
+        width,  # W
+        rope_heads,  # Hq + Hkv: heads rotated (the v heads after them are not)
+        eps,
+        stride_h,  # h stride over rows (elements)
+        stride_w,  # weight stride over rows
+        stride_c,  # cos / sin stride over rows
+        stride_o,  # out stride over rows (heads * D)
+        HEAD_DIM: tl.constexpr,  # D
+        BLOCK_M: tl.constexpr,
+        BLOCK_H: tl.constexpr,  # columns of each half-head per program
+        BLOCK_K: tl.constexpr,
+        ROUND_BF16: tl.constexpr,  # round to nearest even by hand (the interpreter truncates)
+        DOT_IN_FP32: tl.constexpr,  # interpreter only, see triton_base.dot
+        INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32 rounding)
+    ):
+        norm_qkv_rope_tile(
+            tl.program_id(0), tl.program_id(1), h_ptr, scale_ptr, shift_ptr, w_ptr,
+            cos_ptr, sin_ptr, out_ptr, n_rows, width, rope_heads, eps, stride_h,
+            stride_w, stride_c, stride_o, HEAD_DIM, BLOCK_M, BLOCK_H, BLOCK_K,
+            ROUND_BF16, DOT_IN_FP32, INPUT_PRECISION,
+        )  # fmt: skip
 
 
 def plan_norm_qkv_rope(

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from embodied_kv.kernels import (
+    expert_layer_step,
     flow_io,
     gated_rms_norm,
     gemm_residual,
@@ -243,6 +244,7 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     # and the chain's (CUDA's default): addcmul + the post-attention norm in one kernel
     chain = gated_rms_norm.pi05_launches() + flow_io.pi05_launches()  # and the flow's head
     chain += rope_store.pi05_launches()  # the backbone's RoPE + K/V store
+    fused += expert_layer_step.pi05_launches()  # the five as one persistent launch
     for launch in fused + gemm_residual.pi05_launches() + chain:
         launches.setdefault(launch.name, launch)
     return list(launches.values())

@@ -29,7 +29,10 @@ import torch
 
 from embodied_kv.kernels.triton_base import tl, triton
 
-MAX_SPINS = 1 << 22  # polls (~1 us each on a GPU) before a wait gives up and flags an error
+# polls (~0.5-1 us each on a GPU) before a wait gives up and flags an error: ~30-60 ms,
+# thousands of times the longest wait the expert attention has (its partials take ~15 us),
+# and short enough that a bug costs a slow call, not a hung device
+MAX_SPINS = 1 << 16
 CPU_PROGRAMS = 4  # the grid off CUDA (the interpreter runs programs one after another)
 QUEUE_WORDS = 2  # int32: [next item, error flag]
 

@@ -23,6 +23,7 @@ from embodied_kv.model.expert_step import (
     WorkspaceCache,
     fused_ready,
     layer_step_fused,
+    layer_step_persistent,
     layer_step_ref,
 )
 from embodied_kv.model.flow_constants import FlowModulationCache
@@ -36,6 +37,9 @@ from embodied_kv.storage.arena import KVArena
 # (bench/kernel_sweep.py), 25.23 against 29.97 ms before. `bench latency` times the other
 # beside it (`graphs_fused_ms` / `graphs_unfused_ms`) and says LOSS if the default loses.
 FUSED_LAYER_STEP = False
+# The fused layer-step as one persistent launch (kernels/expert_layer_step.py) rather than
+# five: untimed on a GPU; `bench latency`'s fused row times whichever this says.
+PERSISTENT_LAYER_STEP = True
 
 
 class ActionExpert(nn.Module):
@@ -55,6 +59,7 @@ class ActionExpert(nn.Module):
         self.workspaces = WorkspaceCache()  # split-K buffers of the layer-step (CUDA)
         # True: CUDA runs the five fused kernels (model/expert_step.py); False: the chain
         self.fused_layer_step = FUSED_LAYER_STEP
+        self.persistent_layer_step = PERSISTENT_LAYER_STEP  # the fused path in one launch
         # the chain's attention rotates q and k itself (kernels/expert_attention.py rope=);
         # False: a RoPE launch before it (bench latency's graphs_prev)
         self.rope_in_attention = True
@@ -186,7 +191,8 @@ class ActionExpert(nn.Module):
             )
             # CUDA: model/expert_step.py; its kernels take one modulation row for all rows
             if self.takes_fused(mod, layer, h):
-                h, xn = layer_step_fused(layer, h, inputs, self.workspaces), None
+                fused = layer_step_persistent if self.persistent_layer_step else layer_step_fused
+                h, xn = fused(layer, h, inputs, self.workspaces), None
             elif i < last and self.takes_fused(mod, self.layers[i + 1], h):
                 h = layer_step_ref(layer, h, inputs, xn, rope_in_attention=self.rope_in_attention,
                                    work=self.workspaces)  # fmt: skip

@@ -30,10 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from embodied_kv.kernels import expert_attention as attention_kernels
+from embodied_kv.kernels import expert_layer_step as step_kernels
 from embodied_kv.kernels import gemm_residual
 from embodied_kv.kernels import norm_gate_up as gate_up_kernels
 from embodied_kv.kernels import norm_qkv_rope as qkv_kernels
 from embodied_kv.kernels.expert_attention import expert_attention, expert_workspace
+from embodied_kv.kernels.expert_layer_step import StepWork
 from embodied_kv.kernels.gated_rms_norm import gated_rms_norm
 from embodied_kv.kernels.gemm_residual import linear_gated_residual
 from embodied_kv.kernels.norm_gate_up import norm_gate_up
@@ -108,6 +110,24 @@ def layer_step_ref(
     return gated_rms_norm(h, layer.mlp(xn), s.gate[1], *next_norm)
 
 
+def layer_step_persistent(
+    layer: GemmaLayer, h: torch.Tensor, s: StepInputs, work: WorkspaceCache, kernels: bool = False
+) -> torch.Tensor:
+    """The five kernels' work as one persistent launch (kernels/expert_layer_step.py), with
+    the five calls' bytes; where its kernel does not run (a CPU, or a Triton that cannot
+    build it), the five calls. `kernels=True` calls the Triton kernel whatever the device
+    (CPU tensors under TRITON_INTERPRET=1: the tests)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    heads = (attn.heads, attn.kv_heads, attn.head_dim)
+    args = (h, s.scale1, s.shift, (layer.input_layernorm.eps, layer.post_attention_layernorm.eps),
+            s.gate, attn.fusion.weight, heads, *s.cos_sin, s.kp, s.vp, s.bias, s.scale,
+            attn.o_proj.weight, mlp.fusion.weight, mlp.down_proj.weight)  # fmt: skip
+    if kernels:
+        return step_kernels.expert_layer_step_kernel(*args)
+    out = step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp))
+    return layer_step_fused(layer, h, s, work) if out is None else out
+
+
 def layer_step_fused(
     layer: GemmaLayer, h: torch.Tensor, s: StepInputs, work: WorkspaceCache, kernels: bool = False
 ) -> torch.Tensor:
@@ -143,6 +163,17 @@ class WorkspaceCache:
     def __init__(self) -> None:
         self._work: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._attention: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._steps: dict[tuple, StepWork] = {}
+
+    def step(self, h, attn, mlp, heads: tuple[int, int, int], kp) -> StepWork | None:
+        """The persistent layer-step's buffers for these shapes on CUDA; None elsewhere."""
+        if not h.is_cuda:
+            return None
+        key = (*h.shape, *heads, mlp.down_proj.weight.shape[1], kp.shape[0], h.dtype, h.device)
+        if key not in self._steps:
+            self._steps[key] = StepWork.new(h, attn.fusion.weight, attn.o_proj.weight,
+                                            mlp.down_proj.weight, heads, kp.shape[0])  # fmt: skip
+        return self._steps[key]
 
     def attention(self, q: torch.Tensor, kp: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The expert attention's workspace for q [H, Hq, D] over prefix keys kp [P, Hkv, D]

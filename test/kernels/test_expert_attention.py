@@ -125,7 +125,8 @@ def test_one_launch_reduces_match_two_kernels_bytewise(kernel, reduce, dtype, ca
     """One kernel = partials + separate reduce, byte for byte under the interpreter: the last
     split of a tile reduces ("last"), or the persistent queue's reduce items do ("queue"); run
     twice on one workspace: same bytes, every counter (and the queue) back at 0, no wait
-    timed out. (On a GPU the reduce kernel's tree order differs by a few fp32 ulps.) masked_splits holds splits with no admitted row; gqa3 two KV heads."""
+    timed out. (On a GPU the reduce kernel's tree order differs by a few fp32 ulps.)
+    masked_splits holds splits with no admitted row; gqa3 two KV heads."""
     args = inputs(case, HEADS[heads], dtype, seed=2)
     work = _work(args[0], args[1])
     one = expert_attention_kernel(*args, work=work, reduce=reduce)

@@ -37,6 +37,7 @@ def test_pi05_kernels_compile_for_sm90_without_spills(tmp_path):
     want = {"splitk_partial", "splitk_reduce", "prefill_tile", "rms_norm", "rope"}
     want |= {"expert_attention", "expert_attention_rope", "expert_reduce", "gelu_gate"}
     want |= {"expert_attention_queue", "expert_attention_queue_rope"}  # the default
+    want |= {"expert_layer_step"}  # the fused layer-step as one persistent launch
     want |= {"attn_stats"}
     want |= {"norm_qkv_rope", "norm_gate_up", "linear_gated_residual", "add_layer_norm"}
     want |= {"gated_rms_norm", "add_rms_norm", "flow_action_in", "flow_euler_out", "rope_store"}

@@ -15,6 +15,7 @@ from embodied_kv.model.expert_step import (
     WorkspaceCache,
     fused_ready,
     layer_step_fused,
+    layer_step_persistent,
     layer_step_ref,
 )
 from embodied_kv.model.fused import fuse_projections
@@ -80,9 +81,47 @@ def test_fused_layer_step_equals_the_cpu_chain(dtype, rows):
 
 
 @interpreted
-def test_the_whole_chunk_through_the_fused_path(monkeypatch):
-    """sample() with every layer-step on the five kernels (as on CUDA) = the CPU's chunk
-    within fp32 summation order; the workspace is allocated once per shape and reused."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [None, 96])  # exact prefix; a graph's row bucket (masked)
+def test_the_persistent_layer_step_is_the_five_kernels_bytewise(dtype, rows):
+    """One persistent launch (kernels/expert_layer_step.py) = the five kernel calls, byte for
+    byte under the interpreter (program 0 takes every item in order); twice on one
+    workspace: the same bytes, every counter back at 0 and no wait timed out."""
+    from embodied_kv.kernels.expert_layer_step import StepWork, failed
+
+    m, arena, slot, n = model_and_prefix(dtype)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g).to(dtype)
+    with torch.no_grad():
+        for i, layer in enumerate(m.expert.layers):
+            s = inputs_of(m, arena, slot, n, i, k=5, rows=rows)
+            want = layer_step_fused(layer, h, s, WorkspaceCache(), kernels=True)
+            got = layer_step_persistent(layer, h, s, WorkspaceCache(), kernels=True)
+            assert torch.equal(got, want), i
+    # the launch on a kept workspace (CUDA's WorkspaceCache.step), run twice
+    attn, mlp = layer.self_attn, layer.mlp
+    heads = (attn.heads, attn.kv_heads, attn.head_dim)
+    work = StepWork.new(h, attn.fusion.weight, attn.o_proj.weight, mlp.down_proj.weight, heads,
+                        s.kp.shape[0])  # fmt: skip
+    from embodied_kv.kernels.expert_layer_step import expert_layer_step_kernel
+
+    args = (h, s.scale1, s.shift, (layer.input_layernorm.eps, layer.post_attention_layernorm.eps),
+            s.gate, attn.fusion.weight, heads, *s.cos_sin, s.kp, s.vp, s.bias, s.scale,
+            attn.o_proj.weight, mlp.fusion.weight, mlp.down_proj.weight)  # fmt: skip
+    with torch.no_grad():
+        once = expert_layer_step_kernel(*args, work)
+        twice = expert_layer_step_kernel(*args, work)
+    assert torch.equal(once, want) and torch.equal(twice, want)
+    counters = [work.phases, work.attention[3], work.o_work[1], work.down_work[1]]
+    assert all(int(c.abs().sum()) == 0 for c in counters) and not failed(work)
+
+
+@interpreted
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_whole_chunk_through_the_fused_path(monkeypatch, persistent):
+    """sample() with every layer-step on the five kernels (as on CUDA), as five launches or
+    one persistent launch (model/expert.py PERSISTENT_LAYER_STEP) = the CPU's chunk within
+    fp32 summation order; the workspace is allocated once per shape and reused."""
     m, arena, slot, n = model_and_prefix(torch.float32)
     noise = m.make_noise(2)
     with torch.no_grad():
@@ -91,13 +130,19 @@ def test_the_whole_chunk_through_the_fused_path(monkeypatch):
     def fused(layer, h, s, work):
         return layer_step_fused(layer, h, s, work, kernels=True)
 
+    def persistent_step(layer, h, s, work):
+        return layer_step_persistent(layer, h, s, work, kernels=True)
+
     monkeypatch.setattr(expert_module, "fused_ready", lambda layer, h: True)
     monkeypatch.setattr(expert_module, "layer_step_fused", fused)
+    monkeypatch.setattr(expert_module, "layer_step_persistent", persistent_step)
     m.expert.fused_layer_step = True  # CUDA's default runs the chain (model/expert.py)
+    m.expert.persistent_layer_step = persistent
     with torch.no_grad():
         got = m.expert.sample(arena, slot, torch.tensor(n), noise, rows=96)
     assert (got - want).abs().max().item() < 1e-3
-    assert len(m.expert.workspaces._work) == 2  # o_proj (K = heads x D) and down (K = mlp)
+    if not persistent:  # o_proj (K = heads x D) and down (K = mlp)
+        assert len(m.expert.workspaces._work) == 2
 
 
 def test_fused_path_is_only_taken_where_it_applies():
@@ -126,3 +171,40 @@ def test_on_cuda_the_fused_chunk_equals_the_unfused_one(preset):
                                             rows=1024).float()  # fmt: skip
     err = (chunks[True] - chunks[False]).abs().max().item()
     assert err <= 0.05 * max(chunks[False].abs().max().item(), 1.0), err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the real kernels")
+def test_on_cuda_the_persistent_layer_step_is_the_five_kernels():
+    """On a GPU: the persistent launch (a program per SM, items taken concurrently) against
+    the five launches, pi05 widths, the same layer five times on one kept workspace: equal
+    within an ulp of bf16 (the same kernels' code; a race would show as far more), no wait
+    timed out, counters back at 0."""
+    from embodied_kv.kernels.expert_layer_step import failed
+
+    m = build_model(get_preset("pi05", layers=1, vision_layers=1), "cuda", torch.bfloat16)
+    arena = m.new_arena(2, 1024)
+    slot = arena.allocate()
+    m.prefill(arena, slot, m.embed_prefix(synthetic_observation(m.cfg, 5)))
+    n = arena.slot_len(slot)
+    e, layer = m.expert, m.expert.layers[0]
+    mod = e.flow_modulation(m.cfg.denoise_steps, "cuda")
+    ctx = e.context(None, m.cfg.action_horizon, torch.tensor(n, device="cuda"), 1024, "cuda",
+                    None, mod)  # fmt: skip
+    s = StepInputs(
+        scale1=(mod.scale1[0, 2], mod.scale1[1, 2]), shift=(mod.shift[0, 2], mod.shift[1, 2]),
+        gate=(mod.gate[0, 2], mod.gate[1, 2]), cos_sin=ctx.cos_sin,
+        kp=arena.k[0, slot, : ctx.n_rows], vp=arena.v[0, slot, : ctx.n_rows], bias=ctx.bias,
+        scale=e.scale,
+    )  # fmt: skip
+    g = torch.Generator(device="cuda").manual_seed(6)
+    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g, device="cuda")
+    h = h.to(torch.bfloat16)
+    work = WorkspaceCache()
+    with torch.no_grad():
+        want = layer_step_fused(layer, h, s, work)
+        for _ in range(5):
+            got = layer_step_persistent(layer, h, s, work)
+            torch.testing.assert_close(got, want, atol=2**-7, rtol=2**-7)
+    (step,) = work._steps.values()
+    torch.cuda.synchronize()
+    assert not failed(step) and int(step.phases.abs().sum()) == 0
