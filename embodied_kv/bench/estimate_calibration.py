@@ -175,11 +175,12 @@ def recording(est):
 
     class Recorder(kc.Census):
         @contextmanager
-        def single_kernel(self, cost):  # as this tree's: (FLOPs, bytes[, loop steps]) each
+        def single_kernel(self, cost):  # as this tree's: (FLOPs, bytes[, loop steps]) each;
+            # one inside another is part of it (a persistent kernel's phases)
             old, self._muted = self._muted, True
             try:
                 yield
-                costs = cost()
+                costs = [] if old else cost()
             finally:
                 self._muted = old
             for c in costs if isinstance(costs, list) else [costs]:
