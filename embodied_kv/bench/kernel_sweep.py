@@ -42,11 +42,16 @@ from embodied_kv.bench.kernel_sweep_candidates import (
     qkv_candidates,
     res_candidates,
     rope_attn_candidates,
+    step_candidates,
 )
 from embodied_kv.kernels import expert_attention as attn_k
+from embodied_kv.kernels import gemm_residual as res_k
+from embodied_kv.kernels import norm_gate_up as gate_k
+from embodied_kv.kernels import norm_qkv_rope as qkv_k
 from embodied_kv.kernels.gelu_gate import gelu_gate, gelu_gate_ref
 from embodied_kv.kernels.rms_norm import rms_norm, rms_norm_ref
 from embodied_kv.kernels.rope import rope, rope_ref
+from embodied_kv.model.expert_step import WorkspaceCache
 from embodied_kv.model.layers import Rope
 
 __all__ = ["PI05", "TINY", "kernels", "main", "patched", "run"]
@@ -156,6 +161,37 @@ def res_chain(L, k):
     return torch.addcmul(L["h"], F.linear(x, w), L["gate"])
 
 
+# the five launches' workspaces per layer's inputs (by its h), allocated once, outside the
+# timed graph, as the model keeps them (model/expert_step.py WorkspaceCache)
+_FIVE_WORK: dict[tuple, tuple] = {}
+
+
+def step_five(L, s, ref=False):
+    """The fused layer-step as five launches (model/expert_step.py layer_step_fused), or in
+    fp32 the five ops' torch references: the baseline of the persistent launch."""
+    n, d, hq, hkv = s["n"], s["d"], s["hq"], s["hkv"]
+    h = L["h"]
+    sizes = [hq * d, hkv * d, hkv * d]
+    q, k, v = (qkv_k.norm_qkv_rope_ref if ref else qkv_k.norm_qkv_rope_kernel)(
+        h, L["scale1"], L["shift"], EPS, L["w_qkv"], sizes, L["cos"], L["sin"])  # fmt: skip
+    if ref:
+        o = attn_k.expert_attention_ref(q, L["kp"], L["vp"], k, v, d**-0.5, L["bias"])
+        h1 = res_k.linear_gated_residual_ref(h, o.reshape(n, -1), L["w_o"], L["gate"])
+        act = gate_k.norm_gate_up_ref(h1, L["scale1"], L["shift"], EPS, L["w_gu"], s["f"])
+        return res_k.linear_gated_residual_ref(h1, act, L["w_d"], L["gate"])
+    key = (id(h), tuple(h.shape), h.dtype, str(h.device))
+    if key not in _FIVE_WORK:
+        _FIVE_WORK[key] = (WorkspaceCache(), attn_k.expert_workspace(
+            n, hq, hkv, d, L["kp"].shape[0], h.dtype, h.device))  # fmt: skip
+    works, att = _FIVE_WORK[key]
+    o = attn_k.expert_attention_kernel(q, L["kp"], L["vp"], k, v, d**-0.5, L["bias"], att)
+    h1 = res_k.linear_gated_residual_kernel(h, o.reshape(n, -1), L["w_o"], L["gate"],
+                                            works.get(h, L["w_o"]))  # fmt: skip
+    act = gate_k.norm_gate_up_kernel(h1, L["scale1"], L["shift"], EPS, L["w_gu"], s["f"])
+    return res_k.linear_gated_residual_kernel(h1, act, L["w_d"], L["gate"],
+                                              works.get(h1, L["w_d"]))  # fmt: skip
+
+
 def attn_chain(L, s, tag=""):
     """The torch reference: the chain's attention is the same kernel as the fused path's.
     `tag` "3": the 3-camera prefix."""
@@ -214,6 +250,8 @@ def kernels(s):
         ("chain_rope_attention", lambda L: flat(rope_attn_chain(L, s)),
          lambda L: flat(rope_attn_chain(fp32(L), s, True)), flat,
          lambda dry: rope_attn_candidates(s)),
+        ("layer_step", lambda L: step_five(L, s), lambda L: step_five(fp32(L), s, True),
+         lambda o: o, lambda dry: step_candidates(s)),
         ("expert_attention_3cam", lambda L: flat(attn_chain(L, s, "3")),
          lambda L: flat(attn_chain(fp32(L), s, "3")), flat,
          lambda dry: attn_candidates(s, dry, "3")),

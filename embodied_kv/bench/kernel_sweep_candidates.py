@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from embodied_kv.kernels import expert_attention as attn_k
+from embodied_kv.kernels import expert_layer_step as step_k
 from embodied_kv.kernels import gemm_residual as res_k
 from embodied_kv.kernels import norm_gate_up as gate_k
 from embodied_kv.kernels import norm_qkv_rope as qkv_k
@@ -166,3 +167,20 @@ def rope_attn_candidates(s):
             )  # fmt: skip
             return out, lambda: [la.run() for la in launches]
         yield ("rope on load" if on_load else "rope_pair, then the attention"), make
+
+
+def step_candidates(s):
+    """The fused layer-step as one persistent launch (kernels/expert_layer_step.py), against
+    its five launches (the row's chain)."""
+    def make(L):
+        heads = (s["hq"], s["hkv"], s["d"])
+        work = step_k.StepWork.new(L["h"], L["w_qkv"], L["w_o"], L["w_d"], heads, s["bucket"])
+        out = torch.empty_like(L["h"])
+        pair = lambda x: (x, x)  # noqa: E731 - one norm and gate for both of the layer's
+        launch = step_k.plan_layer_step(
+            L["h"], pair(L["scale1"]), pair(L["shift"]), pair(EPS), pair(L["gate"]), L["w_qkv"],
+            heads, L["cos"], L["sin"], L["kp"], L["vp"], L["bias"], s["d"] ** -0.5, L["w_o"],
+            L["w_gu"], L["w_d"], work, out,
+        )  # fmt: skip
+        return out, launch.run
+    yield "persistent", make

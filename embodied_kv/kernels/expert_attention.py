@@ -410,14 +410,16 @@ def expert_attention(q, kp, vp, ks, vs, scale: float, bias, work=None, rope=None
     elsewhere. `work`: an `expert_workspace` for these shapes, reused across calls. `rope`:
     (cos, sin) [H, 1, D] fp32 when q and ks are not rotated yet: the kernel rotates them as
     it loads them (no RoPE launch); the reference path rotates first (kernels/rope.py
-    rope_pair), the chain's ops and bytes."""
+    rope_pair), the chain's ops and bytes. Where Triton cannot build REDUCE's form (the
+    queue's, the newest), the two launches run: the measured form, not the reference."""
     kernel = use_kernel(q, kp, vp, ks, vs)
     if rope is not None and not (kernel and rope_on_load(q.shape[-1])):
         q, ks = rope_pair(q, ks, *rope)  # one kernel on CUDA where q, k are adjacent heads
         rope = None
-    if kernel:
-        out = try_kernel("expert_attention", expert_attention_kernel, q, kp, vp, ks, vs, scale,
-                         bias, work, REDUCE, rope)  # fmt: skip
+    for form in dict.fromkeys((REDUCE, "launch")) if kernel else ():
+        op = "expert_attention" if form == "launch" else f"expert_attention_{form}"
+        out = try_kernel(op, expert_attention_kernel, q, kp, vp, ks, vs, scale, bias, work,
+                         form, rope)  # fmt: skip
         if out is not None:
             return out
     if rope is not None:  # the kernel failed: the reference path rotates first

@@ -23,7 +23,7 @@ def test_dry_sweep_checks_every_kernel_against_fp32(tmp_path):
     assert set(result["kernels"]) == {
         "expert_attention", "norm_qkv_rope", "norm_gate_up", "gated_residual_o",
         "gated_residual_down", "chain_gated_rms_norm", "chain_rope_qk", "chain_rope_attention",
-        "expert_attention_3cam",
+        "expert_attention_3cam", "layer_step",
     }  # fmt: skip
     for name, row in result["kernels"].items():
         assert row["candidates"], name

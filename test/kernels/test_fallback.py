@@ -85,3 +85,27 @@ def test_every_dispatcher_goes_through_it():
             continue
         text = path.read_text()
         assert text.count("use_kernel(") == text.count("try_kernel("), path.name
+
+
+def test_the_attention_falls_back_to_its_two_launches_not_the_reference(monkeypatch):
+    """Where Triton cannot build the expert attention's persistent queue, its two launches
+    (the form an H200 measured) run, not the torch reference; the queue is off from then on."""
+    from embodied_kv.kernels import expert_attention as attn
+
+    forms = []
+
+    def kernel(*args):
+        forms.append(args[8])  # reduce
+        if args[8] == "queue":
+            raise OutOfResources(262144, 232448, "shared memory")
+        return "two launches"
+
+    monkeypatch.setattr(attn, "use_kernel", lambda *t: True)
+    monkeypatch.setattr(attn, "expert_attention_kernel", kernel)
+    monkeypatch.setattr(attn, "REDUCE", "queue")
+    q, kv = torch.zeros(2, 2, 16), torch.zeros(3, 1, 16)
+    args = (q, kv, kv, kv[:2], kv[:2], 0.25, torch.zeros(5))
+    assert attn.expert_attention(*args) == "two launches"
+    assert attn.expert_attention(*args) == "two launches"
+    assert forms == ["queue", "launch", "launch"]
+    assert "expert_attention_queue" in fallback.OFF and "expert_attention" not in fallback.OFF
