@@ -275,6 +275,7 @@ def run(args, env: harness.Environment) -> dict:
         "benchmark": "latency", "preset": args.preset, "dtype": str(dtype).split(".")[-1],
         "graph_mode": mode, "repeats": repeats, "rows": rows, "goal_x_limit": GOAL_X_LIMIT,
         "peer": peer, "kernels_off": dict(fallback.OFF),
+        "queue_timeouts": model.expert.workspaces.timed_out(),  # persistent kernels' waits
     }  # fmt: skip
 
 
@@ -375,6 +376,9 @@ def report(result: dict) -> None:
                   "plain graphs path")  # fmt: skip
     for op, why in result.get("kernels_off", {}).items():
         print(f"LOSS: the {op} kernel could not be built here ({why}): its torch reference ran")
+    if result.get("queue_timeouts"):
+        print(f"ERROR: {result['queue_timeouts']} persistent launches had a wait time out "
+              "(kernels/work_queue.py): their outputs are wrong")  # fmt: skip
     report_peer(result)
     latency_breakdown.report(rows)
     kernel_profile.report(rows)

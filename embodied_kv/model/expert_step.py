@@ -175,6 +175,14 @@ class WorkspaceCache:
                                             mlp.down_proj.weight, heads, kp.shape[0])  # fmt: skip
         return self._steps[key]
 
+    def timed_out(self) -> int:
+        """Kept workspaces whose persistent launches had a wait run past its bound
+        (kernels/work_queue.py: their results are wrong). Reads the device: benches and
+        tests call it, not the action path."""
+        flags = [w[3][-1] for w in self._attention.values()]
+        flags += [s.phases[-1] for s in self._steps.values()]
+        return sum(int(f.item()) for f in flags)
+
     def attention(self, q: torch.Tensor, kp: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The expert attention's workspace for q [H, Hq, D] over prefix keys kp [P, Hkv, D]
         on CUDA; None elsewhere (the reference path, or the interpreter's own per call)."""

@@ -19,6 +19,7 @@ def test_bench_latency_breakdown_json(tmp_path, capsys):
     assert latency.main([*argv, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["preset"] == "tiny" and result["graph_mode"] == "emulate"
+    assert result["queue_timeouts"] == 0  # no persistent launch on a CPU: none kept
     rows = result["rows"]
     assert [r["cameras"] for r in rows] == list(range(1, get_preset("tiny").num_cameras + 1))
     for r in rows:

@@ -207,4 +207,4 @@ def test_on_cuda_the_persistent_layer_step_is_the_five_kernels():
             torch.testing.assert_close(got, want, atol=2**-7, rtol=2**-7)
     (step,) = work._steps.values()
     torch.cuda.synchronize()
-    assert not failed(step) and int(step.phases.abs().sum()) == 0
+    assert not failed(step) and int(step.phases.abs().sum()) == 0 and work.timed_out() == 0
