@@ -125,7 +125,7 @@ def chunk_blocks(n_prefix: int, block_n: int, splits: int) -> int:
 if triton is not None:
     from embodied_kv.kernels.expert_combine import combine_splits
     from embodied_kv.kernels.expert_tile import attend_tile, attend_tile_call, rotate_keys
-    from embodied_kv.kernels.work_queue import arrive, grab, wait_for
+    from embodied_kv.kernels.work_queue import arrive, finish, grab, wait_for
 
     @triton.jit
     def _expert_attention_partial(
@@ -231,12 +231,7 @@ if triton is not None:
                         tl.atomic_xchg(count_ptr + tk, 0, sem="relaxed", scope="gpu")
                         tl.atomic_xchg(count_ptr + n_tiles + tk, 0, sem="relaxed", scope="gpu")
                 item = grab(queue_ptr)
-            # the launch's last failed grab: every item is done; the queue and the key
-            # arrivals back to 0 for the next launch (kernels/work_queue.py)
-            if item == n_items + tl.num_programs(0) - 1:
-                for h in range(n_rot):
-                    tl.atomic_xchg(keys_ptr + h, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
+            finish(queue_ptr, item, n_items, keys_ptr, n_rot)  # the key arrivals and queue
         else:
             attend_tile(
                 tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, kp_ptr, vp_ptr,

@@ -88,7 +88,7 @@ if triton is not None:
     from embodied_kv.kernels.gemm_residual import gated_residual_tile_call
     from embodied_kv.kernels.norm_gate_up import norm_gate_up_tile_call
     from embodied_kv.kernels.norm_qkv_rope import norm_qkv_rope_tile_call
-    from embodied_kv.kernels.work_queue import arrive, grab, wait_for
+    from embodied_kv.kernels.work_queue import arrive, finish, grab, wait_for
 
     @triton.jit
     def _expert_layer_step_fwd(
@@ -200,11 +200,7 @@ if triton is not None:
                     INPUT_PRECISION,
                 )  # fmt: skip
             item = grab(queue_ptr)
-        # the launch's last failed grab: every item is done; the counters back to 0
-        if item == e5 + tl.num_programs(0) - 1:
-            for w in range(4):
-                tl.atomic_xchg(phase_ptr + w, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
+        finish(queue_ptr, item, e5, phase_ptr, 4)  # the phase counters and the queue
 
 
 def plan_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp, bias,

@@ -79,7 +79,10 @@ if triton is not None:
             tl.atomic_xchg(err_ptr, 1, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def finish(queue_ptr, last_grab, n_items):
-        """After a program's failed grab: the launch's last one puts the queue back to 0."""
+    def finish(queue_ptr, last_grab, n_items, counts_ptr, n_counts):
+        """After a program's failed grab: the launch's last one (every item is done) puts
+        the n_counts arrival counters at counts_ptr and the queue back to 0."""
         if last_grab == n_items + tl.num_programs(0) - 1:
+            for i in range(n_counts):
+                tl.atomic_xchg(counts_ptr + i, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(queue_ptr, 0, sem="relaxed", scope="gpu")
