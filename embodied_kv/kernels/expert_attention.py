@@ -38,8 +38,9 @@ Under the interpreter every form gives the two-kernel path's bytes (tested). On 
 the order of the split sum differs from the reduce kernel's tree (a few fp32 ulps), but
 "last" and "queue" are deterministic. sm_90 (triton 3.9 offline compile, bf16, D 256,
 group 8, 4 warps, 2 stages, 32 splits; registers without / with RoPE, no spills, 64 KiB
-shared, wgmma): "launch" 221 / 254 (its reduce 43), "queue" 226 / 255; the combine walks D
-in chunks (whole-D: 255 registers, ~200 B spills). Untimed and unraced on a device.
+shared, wgmma): "launch" 221 / 254 (its reduce 43), "queue" 230 / 255 (its reduce item a
+call); the combine walks D in chunks (whole-D: 255 registers, ~200 B spills). Untimed and
+unraced on a device.
 
 Supported range: as the prefill tile (fp32 / bf16 / fp16, D <= 256, group <= 32, any strides
 with a contiguous last dim). Every output row sees the H >= 1 suffix keys, so the reduce
@@ -123,7 +124,7 @@ def chunk_blocks(n_prefix: int, block_n: int, splits: int) -> int:
 
 
 if triton is not None:
-    from embodied_kv.kernels.expert_combine import combine_splits
+    from embodied_kv.kernels.expert_combine import combine_splits, reduce_item
     from embodied_kv.kernels.expert_tile import attend_tile, attend_tile_call, rotate_keys
     from embodied_kv.kernels.work_queue import arrive, finish, grab, wait_for
 
@@ -219,17 +220,13 @@ if triton is not None:
                     )  # fmt: skip
                     arrive(count_ptr + tk)
                 else:
-                    tk = (item - n_part) // REDUCE_ITEMS
-                    wait_for(count_ptr + tk, NUM_SPLITS, queue_ptr + 1, max_spins)
-                    combine_splits(
-                        m_ptr, l_ptr, acc_ptr, out_ptr, tk // n_kv, tk % n_kv, h_len, n_heads,
-                        stride_on, stride_oh, ((item - n_part) % REDUCE_ITEMS) * QUEUE_COLS,
-                        GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM, NUM_SPLITS, QUEUE_COLS, QUEUE_COLS,
+                    reduce_item(
+                        m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr,
+                        (item - n_part) // REDUCE_ITEMS, (item - n_part) % REDUCE_ITEMS,
+                        n_tiles, n_kv, h_len, n_heads, stride_on, stride_oh, queue_ptr + 1,
+                        max_spins, GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM, NUM_SPLITS,
+                        REDUCE_ITEMS, QUEUE_COLS,
                     )  # fmt: skip
-                    # the tile's last reduce item: every wait on its arrivals has passed
-                    if arrive(count_ptr + n_tiles + tk) == REDUCE_ITEMS - 1:
-                        tl.atomic_xchg(count_ptr + tk, 0, sem="relaxed", scope="gpu")
-                        tl.atomic_xchg(count_ptr + n_tiles + tk, 0, sem="relaxed", scope="gpu")
                 item = grab(queue_ptr)
             finish(queue_ptr, item, n_items, keys_ptr, n_rot)  # the key arrivals and queue
         else:

@@ -20,6 +20,29 @@ def reduce_items(block_d: int) -> int:
 
 
 if triton is not None:
+    from embodied_kv.kernels.work_queue import arrive, wait_for
+
+    @triton.jit(noinline=True)
+    def reduce_item(
+        m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr, tk, part, n_tiles, n_kv, h_len, n_heads,
+        stride_on, stride_oh, err_ptr, max_spins, GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, REDUCE_ITEMS: tl.constexpr, QUEUE_COLS: tl.constexpr,
+    ):  # fmt: skip
+        """A queue's reduce item: columns [part, part + 1) x QUEUE_COLS of tile tk (T =
+        n_tiles (tile, KV head) pairs), once its NUM_SPLITS partials have arrived. count_ptr
+        holds the T arrival counters, then the T reduce-items-done counters; the tile's last
+        reduce item puts both back to 0 (every wait on them has passed). A call, not inlined:
+        inlined in the attention's queue with RoPE it spilled 8 bytes at sm_90."""
+        wait_for(count_ptr + tk, NUM_SPLITS, err_ptr, max_spins)
+        combine_splits(
+            m_ptr, l_ptr, acc_ptr, out_ptr, tk // n_kv, tk % n_kv, h_len, n_heads, stride_on,
+            stride_oh, part * QUEUE_COLS, GROUP, GROUP_PAD, BLOCK_M, HEAD_DIM, NUM_SPLITS,
+            QUEUE_COLS, QUEUE_COLS,
+        )  # fmt: skip
+        if arrive(count_ptr + n_tiles + tk) == REDUCE_ITEMS - 1:
+            tl.atomic_xchg(count_ptr + tk, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(count_ptr + n_tiles + tk, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def tile_rows(tile_m, kv_head, h_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,

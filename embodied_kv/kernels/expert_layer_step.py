@@ -83,7 +83,7 @@ def failed(work: StepWork) -> bool:
 
 
 if triton is not None:
-    from embodied_kv.kernels.expert_combine import combine_splits
+    from embodied_kv.kernels.expert_combine import reduce_item
     from embodied_kv.kernels.expert_tile import attend_tile_call
     from embodied_kv.kernels.gemm_residual import gated_residual_tile_call
     from embodied_kv.kernels.norm_gate_up import norm_gate_up_tile_call
@@ -158,16 +158,12 @@ if triton is not None:
                 )  # fmt: skip
                 arrive(att_count_ptr + tk)
             elif item < e2:
-                tk = (item - e1) // REDUCE_ITEMS
-                wait_for(att_count_ptr + tk, NUM_SPLITS, err_ptr, max_spins)
-                combine_splits(
-                    m_ptr, l_ptr, acc_ptr, att_out_ptr, tk // n_kv, tk % n_kv, n_rows, n_heads,
-                    hq * HEAD_DIM, HEAD_DIM, ((item - e1) % REDUCE_ITEMS) * QUEUE_COLS, GROUP,
-                    GROUP_PAD, BLOCK_M, HEAD_DIM, NUM_SPLITS, QUEUE_COLS, QUEUE_COLS,
+                reduce_item(
+                    m_ptr, l_ptr, acc_ptr, att_out_ptr, att_count_ptr,
+                    (item - e1) // REDUCE_ITEMS, (item - e1) % REDUCE_ITEMS, n_tiles, n_kv,
+                    n_rows, n_heads, hq * HEAD_DIM, HEAD_DIM, err_ptr, max_spins, GROUP,
+                    GROUP_PAD, BLOCK_M, HEAD_DIM, NUM_SPLITS, REDUCE_ITEMS, QUEUE_COLS,
                 )  # fmt: skip
-                if arrive(att_count_ptr + n_tiles + tk) == REDUCE_ITEMS - 1:
-                    tl.atomic_xchg(att_count_ptr + tk, 0, sem="relaxed", scope="gpu")
-                    tl.atomic_xchg(att_count_ptr + n_tiles + tk, 0, sem="relaxed", scope="gpu")
                 arrive(phase_ptr + 1)
             elif item < e3:
                 wait_for(phase_ptr + 1, e2 - e1, err_ptr, max_spins)
