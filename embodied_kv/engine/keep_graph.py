@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from embodied_kv.engine.graphs import GraphRunner, StaticStep
-from embodied_kv.kernels.packed_attention import bucket
+from embodied_kv.kernels.packed_attention import ROW_BUCKET, bucket, row_bucket
 from embodied_kv.kv.host_image import ImageCache
 from embodied_kv.kv.memory_kv import PromptLayout
 from embodied_kv.kv.memory_methods import keep
@@ -88,14 +88,19 @@ class GraphShape:
             a >= b for a, b in zip(self.keep + self.rows, need.keep + need.rows, strict=True))
 
 
-def graph_shape(lay: PromptLayout, cfg: KeepConfig, num_layers: int) -> GraphShape:
-    """The request's own shape: its k_i and the rows its k_i longest segments need."""
+def graph_shape(lay: PromptLayout, cfg: KeepConfig, num_layers: int,
+                grain: int = ROW_BUCKET) -> GraphShape:  # fmt: skip
+    """The request's own shape: its k_i and the rows its k_i longest segments need; the
+    prompt padded to a multiple of `grain` (the arena's row bucket: 8 on CUDA, the host's
+    ROW_BUCKET on the CPU, as plan_step pads)."""
     lengths = [n for _, n in lay.segments()]
     fixed = lay.n - sum(lengths)
-    return _shape(lengths, fixed, lay.n - lay.query_start, bucket(lay.n), cfg, num_layers)
+    n_pad = bucket(lay.n, grain)
+    return _shape(lengths, fixed, lay.n - lay.query_start, n_pad, cfg, num_layers)
 
 
-def with_room(lay: PromptLayout, cfg: KeepConfig, num_layers: int, max_len: int) -> GraphShape:
+def with_room(lay: PromptLayout, cfg: KeepConfig, num_layers: int, max_len: int,
+              grain: int = ROW_BUCKET) -> GraphShape:  # fmt: skip
     """The shape to capture for `lay`: room for up to the next multiple of SEGMENTS_GRAIN
     segments (the new ones as long as the longest) and a query up to the next multiple of
     QUERY_GRAIN tokens, so the requests that follow a growing memory replay it. The
@@ -107,11 +112,11 @@ def with_room(lay: PromptLayout, cfg: KeepConfig, num_layers: int, max_len: int)
     longest = max(lengths)
     n = lay.n + more * longest + q_room - query
     fixed = lay.n - sum(lengths) + q_room - query
-    room = _shape(lengths + [longest] * more, fixed, q_room, bucket(bucket(n, ROWS_GRAIN)),
-                  cfg, num_layers)  # fmt: skip
+    room = _shape(lengths + [longest] * more, fixed, q_room,
+                  bucket(bucket(n, ROWS_GRAIN), grain), cfg, num_layers)  # fmt: skip
     if room.n_pad <= max_len and room.image_rows <= max_len:
         return room
-    return graph_shape(lay, cfg, num_layers)
+    return graph_shape(lay, cfg, num_layers, grain)
 
 
 def _shape(lengths: list[int], fixed: int, query: int, n_pad: int, cfg: KeepConfig,
@@ -194,10 +199,11 @@ class GraphKeep:
             self.last = None
             return out
         layers = len(model.backbone.layers)
-        need = graph_shape(lay, self.cfg, layers)
+        grain = row_bucket(arena.device)  # 8 on CUDA: not the host CPU's GEMM probe
+        need = graph_shape(lay, self.cfg, layers, grain)
         kept = [s for s in self.graphs if s.holds(need)]
         shape = min(kept, key=lambda s: (s.n_pad, sum(s.rows), s.image_rows), default=None)
-        shape = shape or with_room(lay, self.cfg, layers, arena.spec.max_len)
+        shape = shape or with_room(lay, self.cfg, layers, arena.spec.max_len, grain)
         buf = self.graphs.get(shape) or _Buffers(model, arena, shape)
         self._load(model, arena, slot, lay, need, shape, buf)
         if buf.replay is None:

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from embodied_kv.bench.keep_stream import Stream
 from embodied_kv.engine.graphs import GraphRunner
 from embodied_kv.engine.keep_graph import GraphKeep, graph_shape, narrowing, with_room
-from embodied_kv.kernels.packed_attention import bucket
+from embodied_kv.kernels.packed_attention import CUDA_ROW_BUCKET, bucket
 from embodied_kv.kv.memory import MemoryConfig, MemoryOp, SegmentMemory, piece
 from embodied_kv.kv.memory_kv import compute_block, encode, layout
 from embodied_kv.kv.memory_methods import FullRecompute, keep
@@ -296,6 +296,10 @@ def test_the_room_holds_what_it_promises_and_the_arena_bounds_it(world_model):
     assert room.keep == graph_shape(grow(rig, 16), KeepConfig(), 4).keep  # k_i at 16
     assert with_room(lay, KeepConfig(), 4, max_len=need.n_pad) == need  # no room: its own
     assert narrowing(KeepConfig(), 4) == (True, True, True, False)
+    # a CUDA arena pads steps to 8 rows, not to the host CPU's probe (ROW_BUCKET, up to 32)
+    cuda = graph_shape(lay, KeepConfig(), 4, CUDA_ROW_BUCKET)
+    assert cuda.n_pad == bucket(lay.n, CUDA_ROW_BUCKET) and cuda.keep == need.keep
+    assert with_room(lay, KeepConfig(), 4, rig.arena.spec.max_len, 8).n_pad % 8 == 0
     assert narrowing(KeepConfig(first_ratio=1.0, last_ratio=1.0), 4) == (False,) * 4
     assert narrowing(KeepConfig(ratios=(1.0, 0.5, 0.5, 0.2)), 4) == (True, False, True, False)
 
