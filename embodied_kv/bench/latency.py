@@ -19,7 +19,8 @@ to the host. No language request runs (narration off), so nothing else shares th
             residual add + RMSNorm kernels; the prefill tile's key splits): the ops as
             2026-12-04's H200 ran them; rows carry `graphs_prev_ms` and `prev_over_graphs`
             (> 1: the changes pay). graphs_unsplit: only the key splits off
-            (`graphs_unsplit_ms`, `unsplit_over_graphs`).
+            (`graphs_unsplit_ms`, `unsplit_over_graphs`); graphs_noprefetch: only the
+            expert's weight prefetch into L2 off (`noprefetch_over_graphs`).
     eager   the same engine and weights with graphs off: every op launched from Python,
             as LeRobot's `select_action` runs pi0.5.
 
@@ -55,8 +56,14 @@ import time
 import numpy as np
 import torch
 
-from embodied_kv.bench import harness, kernel_profile, latency_breakdown, lerobot_peer, limit
-from embodied_kv.bench.report import print_table
+from embodied_kv.bench import (
+    harness,
+    kernel_profile,
+    latency_breakdown,
+    latency_report,
+    lerobot_peer,
+    limit,
+)
 from embodied_kv.engine.config import EngineConfig
 from embodied_kv.engine.engine import Engine
 from embodied_kv.kernels import expert_attention as attention_kernels
@@ -159,8 +166,10 @@ def layer_step(engine: str) -> bool:
 def configure(model, engine: str) -> None:
     """The model's switches as `engine` runs (and captured) it: the expert's layer-step, and
     for graphs_prev the untimed fusions off (model/expert.py rope_in_attention,
-    model/backbone.py fused_epilogues, the expert attention's persistent queue)."""
+    model/backbone.py fused_epilogues, the expert attention's persistent queue, the weight
+    prefetch); graphs_noprefetch: only the prefetch off (model/weight_prefetch.py)."""
     model.expert.fused_layer_step = layer_step(engine)
+    model.expert.prefetch_weights = engine not in ("graphs_prev", "graphs_noprefetch")
     model.expert.rope_in_attention = model.backbone.fused_epilogues = engine != "graphs_prev"
     attention_kernels.REDUCE = "launch" if engine == "graphs_prev" else REDUCE
     prefill_tile.KEY_SPLITS = 1 if engine in ("graphs_prev", "graphs_unsplit") else KEY_SPLITS
@@ -178,6 +187,7 @@ def run(args, env: harness.Environment) -> dict:
         engines["graphs_alt"] = engine_for(model, mode, 2)
         engines["graphs_prev"] = engine_for(model, mode, 2)
         engines["graphs_unsplit"] = engine_for(model, mode, 2)
+        engines["graphs_noprefetch"] = engine_for(model, mode, 2)
     if args.rtc:  # the guided loop from its graph (docs/rtc.md); guided from its 2nd chunk on
         rtc = RTCConfig(enabled=True, guidance=args.rtc)
         engines["graphs_rtc"] = engine_for(model, mode, 2, rtc)
@@ -231,7 +241,7 @@ def run(args, env: harness.Environment) -> dict:
                          "graphs_unfused_ms": harness.Stats.of(u).as_dict(),
                          "unfused_over_fused": harness.ratio(u, f),
                          "layer_step": "fused" if FUSED_LAYER_STEP else "unfused"}  # fmt: skip
-            for name in ("prev", "unsplit"):
+            for name in ("prev", "unsplit", "noprefetch"):
                 p = m["samples"][f"graphs_{name}"]
                 rows[-1] |= {f"graphs_{name}_ms": harness.Stats.of(p).as_dict(),
                              f"{name}_over_graphs": harness.ratio(p, g)}  # fmt: skip
@@ -314,102 +324,6 @@ def peer_row(peers: dict, cams: int, model) -> dict:
             "lerobot_vs_ours": lerobot_peer.agreement(eager, observation(model.cfg, cams, 9))}
 
 
-def report(result: dict) -> None:
-    rows = result["rows"]
-    print_table(
-        "cams prefix graphs_ms p90 eager_ms eager/graphs limit_ms graphs/limit limit48_ms "
-        "graphs/limit48".split(),
-        [
-            [
-                r["cameras"], r["prefix_len"], r["graphs_ms"]["median"], r["graphs_ms"]["p90"],
-                r["eager_ms"]["median"], r["eager_over_graphs"], r["limit_ms"] or "-",
-                "-" if r["graphs_over_limit"] is None else f"{r['graphs_over_limit']:.2f}x",
-                r["limit_48_text_ms"] or "-",
-                "-" if r["graphs_over_limit_48_text"] is None
-                else f"{r['graphs_over_limit_48_text']:.2f}x",
-            ]
-            for r in rows
-        ],
-    )  # fmt: skip
-    for r in rows:
-        if result["graph_mode"] == "emulate":  # no CUDA graph exists on a CPU
-            print(f"{r['cameras']} cameras: graphs in CPU emulation (the code path, not a "
-                  "speed: on a CPU the engine runs eager)")
-        elif r["eager_over_graphs"] < 1:
-            print(f"LOSS: {r['cameras']} cameras: eager is {1 / r['eager_over_graphs']:.2f}x "
-                  f"faster than the graph path")  # fmt: skip
-    judged = [r for r in rows if r["graphs_over_limit"] is not None]
-    if judged:
-        worst = max(r["graphs_over_limit"] for r in judged)
-        verdict = "PASS" if worst <= result["goal_x_limit"] else "FAIL"
-        print(f"VERDICT {verdict}: action latency with graphs is "
-              + ", ".join(f"{r['graphs_ms']['median']:.2f} ms = {r['graphs_over_limit']:.2f}x "
-                          f"the limit of its {r['prefix_len']} prefix rows "
-                          f"({r['limit_ms']:.2f} ms; {r['graphs_over_limit_48_text']:.2f}x the "
-                          f"48-text-token limit) at {r['cameras']} cameras" for r in judged)
-              + f" (goal <= {result['goal_x_limit']}x)")  # fmt: skip
-    for r in rows:
-        if "graphs_unfused_ms" in r:
-            ratio, own = r["unfused_over_fused"], r["layer_step"]
-            lost = (ratio < 1) == (own == "fused") and result["graph_mode"] != "emulate"
-            print(f"{r['cameras']} cameras: the expert's layer-step unfused (the chain) "
-                  f"{r['graphs_unfused_ms']['median']:.2f} ms, fused (five kernels) "
-                  f"{r['graphs_fused_ms']['median']:.2f} ms: unfused = {ratio:.2f}x fused; the "
-                  f"product runs {own}" + ("  LOSS: the other layer-step is faster here"
-                                           if lost else ""))  # fmt: skip
-        for name, what in (("prev", "the untimed changes"), ("unsplit", "the key splits")):
-            if f"graphs_{name}_ms" not in r:
-                continue
-            ratio = r[f"{name}_over_graphs"]
-            lost = ratio < 1 and result["graph_mode"] != "emulate"
-            print(f"{r['cameras']} cameras: without {what} (graphs_{name}) "
-                  f"{r[f'graphs_{name}_ms']['median']:.2f} ms = {ratio:.2f}x the product's path"
-                  + (f"  LOSS: {what} are slower here" if lost else ""))  # fmt: skip
-        if "graphs_frames_ms" in r:
-            h, w = r["frames_hw"]
-            print(f"{r['cameras']} cameras: camera frames ({h}x{w} uint8, converted on the "
-                  f"device in the cycle) {r['graphs_frames_ms']['median']:.2f} ms = "
-                  f"{r['frames_over_graphs']:.2f}x the graphs path fed converted images")
-        if "rtc" in r:
-            print(f"{r['cameras']} cameras: RTC ({r['rtc']}) from its graph "
-                  f"{r['graphs_rtc_ms']['median']:.2f} ms = {r['rtc_over_graphs']:.2f}x the "
-                  "plain graphs path")  # fmt: skip
-    for op, why in result.get("kernels_off", {}).items():
-        print(f"LOSS: the {op} kernel could not be built here ({why}): its torch reference ran")
-    if result.get("queue_timeouts"):
-        print(f"ERROR: {result['queue_timeouts']} persistent launches had a wait time out "
-              "(kernels/work_queue.py): their outputs are wrong")  # fmt: skip
-    report_peer(result)
-    latency_breakdown.report(rows)
-    kernel_profile.report(rows)
-
-
-def report_peer(result: dict) -> None:
-    """LeRobot's rows (bench/lerobot_peer.py), and LOSS where it is faster than our path;
-    a LeRobot that failed part-way keeps the rows it measured before."""
-    peer = result.get("peer")
-    if not peer:
-        return
-    if peer["unavailable"]:
-        print(f"peer LeRobot {peer['pinned']}: not measured: {peer['unavailable']}")
-    for r in result["rows"]:
-        for name in ("lerobot", "lerobot_compiled"):
-            if f"{name}_ms" not in r:
-                continue
-            ratio = r[f"{name}_over_ours"]
-            what = "eager" if name == "lerobot" else (
-                f"torch.compile {peer['compile_mode']}, fp32 matmul precision "
-                f"'{peer.get('compiled_matmul_precision')}'")
-            print(f"{r['cameras']} cameras: LeRobot {peer['pinned']} PI05Policy ({what}, "
-                  f"{r['lerobot_prefix_rows']} prefix rows) {r[f'{name}_ms']['median']:.2f} ms = "
-                  f"{ratio:.2f}x our {peer['ours']} path"
-                  + ("  LOSS: LeRobot is faster" if ratio < 1 else ""))  # fmt: skip
-        if "lerobot_vs_ours" in r:
-            a = r["lerobot_vs_ours"]
-            print(f"{r['cameras']} cameras: LeRobot's chunk vs ours, same weights and noise: max "
-                  f"|diff| {a['max_abs_diff']:.3g} (our chunk's rms {a['chunk_rms']:.3g})")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="embodied-kv bench latency", description=__doc__.split("\n")[0]
@@ -447,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     args = harness.parse(p, argv)
     if args.peer_compile and not args.peer:
         p.error("--peer-compile needs --peer lerobot")
-    return harness.execute(args, argv, run, report)
+    return harness.execute(args, argv, run, latency_report.report)
 
 
 def _hw(text: str) -> tuple[int, int]:

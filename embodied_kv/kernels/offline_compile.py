@@ -55,6 +55,7 @@ from embodied_kv.kernels import (
     flow_io,
     gated_rms_norm,
     gemm_residual,
+    l2_prefetch,
     norm_gate_up,
     norm_qkv_rope,
     rope_store,
@@ -98,6 +99,7 @@ class CompileReport:
     spill_loads: int  # bytes
     shared_bytes: int  # dynamic shared memory per program
     wgmma: bool  # Hopper warpgroup MMA in the PTX (else mma.sync or no tensor-core dot)
+    prefetch: bool = False  # an L2 prefetch instruction in the PTX (kernels/l2_prefetch.py)
 
     @property
     def spills(self) -> bool:
@@ -178,6 +180,7 @@ def compile_launch(launch: Launch, arch: int = SM90) -> CompileReport:
     return CompileReport(
         launch.name, arch, launch.num_warps, launch.num_stages, regs, spill_st, spill_ld,
         kernel.metadata.shared, "wgmma" in kernel.asm["ptx"],
+        any(op in kernel.asm["ptx"] for op in ("prefetch.global.L2", "bulk.prefetch.L2")),
     )  # fmt: skip
 
 
@@ -245,6 +248,7 @@ def pi05_launches(n_tok: int = STEP_TOKENS) -> list[Launch]:
     chain = gated_rms_norm.pi05_launches() + flow_io.pi05_launches()  # and the flow's head
     chain += rope_store.pi05_launches()  # the backbone's RoPE + K/V store
     fused += expert_layer_step.pi05_launches()  # the five as one persistent launch
+    chain += l2_prefetch.pi05_launches()  # the weights' prefetch into L2 (both GPU modes)
     for launch in fused + gemm_residual.pi05_launches() + chain:
         launches.setdefault(launch.name, launch)
     return list(launches.values())

@@ -10,6 +10,7 @@ arena rows plus their own transient K/V; they never write the arena.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from embodied_kv.model.expert_step import (
 )
 from embodied_kv.model.flow_constants import FlowModulationCache
 from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
+from embodied_kv.model.weight_prefetch import PREFETCH, StepPrefetch
 from embodied_kv.storage.arena import KVArena
 
 # The expert's layer-step on CUDA: the chain (cuBLAS GEMMs over the fused q/k/v and gate/up
@@ -63,6 +65,10 @@ class ActionExpert(nn.Module):
         # the chain's attention rotates q and k itself (kernels/expert_attention.py rope=);
         # False: a RoPE launch before it (bench latency's graphs_prev)
         self.rope_in_attention = True
+        # each GEMM's weights into L2 while the one before runs (model/weight_prefetch.py)
+        self.prefetch_weights = PREFETCH
+        self.prefetch_log: list | None = None  # a list: what would be prefetched (tests)
+        self._prefetch_stream = None  # the side stream, made on the first CUDA sample
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,8 +176,10 @@ class ActionExpert(nn.Module):
         arena: KVArena,
         slot: int,
         prefix_len: int | torch.Tensor,
+        prefetch: StepPrefetch | None = None,
     ) -> torch.Tensor:
-        """`velocity_at` up to the output head: the final norm's [H, W], the model dtype."""
+        """`velocity_at` up to the output head: the final norm's [H, W], the model dtype.
+        `prefetch`: sample's weight prefetch, told as each layer's GEMMs are about to run."""
         mod = ctx.modulation
         inp = self.action_in_proj  # fp32 [W, A] with its cast: one kernel on CUDA
         h = action_in(x_t, inp.weight, inp.bias, self.dtype)
@@ -189,20 +197,26 @@ class ActionExpert(nn.Module):
                 bias=ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i],
                 scale=self.scale,
             )
+            hook = None if prefetch is None else partial(prefetch.at, k, i)
+            if hook is not None:
+                hook(0)  # the q/k/v GEMM is next
             # CUDA: model/expert_step.py; its kernels take one modulation row for all rows
-            if self.takes_fused(mod, layer, h):
-                fused = layer_step_persistent if self.persistent_layer_step else layer_step_fused
-                h, xn = fused(layer, h, inputs, self.workspaces), None
+            if self.takes_fused(mod, layer, h) and self.persistent_layer_step:
+                if hook is not None:  # one launch: o_proj's and gate/up's weights at its start
+                    hook(1)
+                h, xn = layer_step_persistent(layer, h, inputs, self.workspaces), None
+            elif self.takes_fused(mod, layer, h):
+                h, xn = layer_step_fused(layer, h, inputs, self.workspaces, hook=hook), None
             elif i < last and self.takes_fused(mod, self.layers[i + 1], h):
                 h = layer_step_ref(layer, h, inputs, xn, rope_in_attention=self.rope_in_attention,
-                                   work=self.workspaces)  # fmt: skip
+                                   work=self.workspaces, hook=hook)  # fmt: skip
                 xn = None
             else:  # the closing residual and the norm after it: one kernel on CUDA
                 nxt = self.norm if i == last else self.layers[i + 1].input_layernorm
                 jn = -1 if i == last else j + 2
                 h, xn = layer_step_ref(layer, h, inputs, xn,
                                        (mod.scale1[jn, k], mod.shift[jn, k], nxt.eps),
-                                       self.rope_in_attention, self.workspaces)  # fmt: skip
+                                       self.rope_in_attention, self.workspaces, hook)  # fmt: skip
         if xn is None:
             xn = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
         return xn
@@ -234,10 +248,20 @@ class ActionExpert(nn.Module):
         mod = self.flow_modulation(steps, x.device)  # of t_k = 1 + k dt, kept across actions
         ctx = self.context(None, x.shape[0], prefix_len, rows, x.device, layer_rows, mod)
         out = self.action_out_proj
+        prefetch = self.step_prefetch(steps, x.device)
         for k in range(steps):  # x + dt * v, the head and its cast: one kernel on CUDA
-            xn = self.hidden_at(x, ctx, k, arena, slot, prefix_len)
+            xn = self.hidden_at(x, ctx, k, arena, slot, prefix_len, prefetch)
             x = euler_out(x, xn, out.weight, out.bias, dt)
+        prefetch.close()
         return x
+
+    def step_prefetch(self, steps: int, device: torch.device) -> StepPrefetch:
+        """The weight prefetch of one `sample` (inactive off CUDA unless prefetch_log is a
+        list, or where the GPU's L2 is too small: model/weight_prefetch.py)."""
+        pf = StepPrefetch(self.layers, steps, device, self.prefetch_weights, self.prefetch_log,
+                          self._prefetch_stream)  # fmt: skip
+        self._prefetch_stream = pf.stream
+        return pf
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,11 @@ norm or the final one, in one); on the CPU the same ops one by one, the bytes un
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from embodied_kv.kernels import expert_attention as attention_kernels
 from embodied_kv.kernels import expert_layer_step as step_kernels
@@ -70,6 +72,11 @@ def fused_ready(layer: GemmaLayer, h: torch.Tensor) -> bool:
 
 
 NextNorm = tuple[torch.Tensor, torch.Tensor, float]  # scale1, shift [W] fp32; eps
+Hook = Callable[[int], None]
+
+
+def _no_hook(g: int) -> None:
+    pass
 
 
 def layer_step_ref(
@@ -80,6 +87,7 @@ def layer_step_ref(
     next_norm: NextNorm | None = None,
     rope_in_attention: bool = True,
     work: WorkspaceCache | None = None,
+    hook: Hook | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The chain, op for op (the CPU bytes): h [H, W] -> h after the layer.
 
@@ -89,7 +97,10 @@ def layer_step_ref(
     CUDA, and the result is (h, its norm). On the CPU the same ops in the same order.
     `rope_in_attention=False`: RoPE's own launch before the attention (the chain before the
     attention rotated them: bench latency's `graphs_prev`). `work`: the caller's workspaces
-    (the attention's, reused across calls on CUDA: no counters zeroed per call)."""
+    (the attention's, reused across calls on CUDA: no counters zeroed per call). `hook(g)`:
+    called as GEMM g of GEMMS (1: o_proj, 2: gate/up, 3: down) is about to run (the weight
+    prefetch of model/weight_prefetch.py); the caller calls it for q/k/v."""
+    hook = hook or _no_hook
     attn, h_len = layer.self_attn, h.shape[0]
     if xn is None:
         xn = layer.input_layernorm.modulate(h, s.scale1[0], s.shift[0])
@@ -102,12 +113,17 @@ def layer_step_ref(
     rope = s.cos_sin if rope_in_attention else None
     att_work = work.attention(q, s.kp) if work is not None else None
     o = expert_attention(q, s.kp, s.vp, k, v, s.scale, s.bias, att_work, rope=rope)
+    hook(1)
     # addcmul, then the post-attention norm: one kernel on CUDA (kernels/gated_rms_norm.py)
     h, xn = gated_rms_norm(h, attn.o_proj(o.reshape(h_len, -1)), s.gate[0], s.scale1[1],
                            s.shift[1], layer.post_attention_layernorm.eps)  # fmt: skip
+    hook(2)
+    a = layer.mlp.activation(xn)
+    hook(3)
+    y = F.linear(a, layer.mlp.down_proj.weight)
     if next_norm is None:
-        return torch.addcmul(h, layer.mlp(xn), s.gate[1])
-    return gated_rms_norm(h, layer.mlp(xn), s.gate[1], *next_norm)
+        return torch.addcmul(h, y, s.gate[1])
+    return gated_rms_norm(h, y, s.gate[1], *next_norm)
 
 
 def layer_step_persistent(
@@ -129,11 +145,18 @@ def layer_step_persistent(
 
 
 def layer_step_fused(
-    layer: GemmaLayer, h: torch.Tensor, s: StepInputs, work: WorkspaceCache, kernels: bool = False
+    layer: GemmaLayer,
+    h: torch.Tensor,
+    s: StepInputs,
+    work: WorkspaceCache,
+    kernels: bool = False,
+    hook: Hook | None = None,
 ) -> torch.Tensor:
     """The five kernel calls over the fused weights. `kernels=True` calls the Triton kernels
     whatever the device (CPU tensors under TRITON_INTERPRET=1: how the tests run this path);
-    else each call dispatches (kernel on CUDA, reference elsewhere)."""
+    else each call dispatches (kernel on CUDA, reference elsewhere). `hook`: as
+    layer_step_ref's."""
+    hook = hook or _no_hook
     attn, mlp, h_len = layer.self_attn, layer.mlp, h.shape[0]
     qkv_op = qkv_kernels.norm_qkv_rope_kernel if kernels else norm_qkv_rope
     gate_up_op = gate_up_kernels.norm_gate_up_kernel if kernels else norm_gate_up
@@ -144,11 +167,14 @@ def layer_step_fused(
                      fusion.sizes, *s.cos_sin)  # fmt: skip
     o = attn_op(q, s.kp, s.vp, k, v, s.scale, s.bias, work.attention(q, s.kp)).reshape(h_len, -1)
     w_o = attn.o_proj.weight
+    hook(1)
     h = residual_op(h, o, w_o, s.gate[0], work.get(h, w_o))
     hidden = mlp.fusion.sizes[0]
+    hook(2)
     a = gate_up_op(h, s.scale1[1], s.shift[1], layer.post_attention_layernorm.eps,
                    mlp.fusion.weight, hidden)  # fmt: skip
     w_down = mlp.down_proj.weight
+    hook(3)
     return residual_op(h, a, w_down, s.gate[1], work.get(h, w_down))
 
 

@@ -68,11 +68,15 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, W] -> [N, W]; GELU and the product are one kernel on CUDA."""
+        return F.linear(self.activation(x), self.down_proj.weight)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, W] -> gelu(gate) * up [N, hidden]: the MLP before its down projection."""
         if self.fusion is not None and self.fusion.usable():
             gate, up = self.fusion.split(x)
         else:
             gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
-        return F.linear(gelu_gate(gate, up), self.down_proj.weight)
+        return gelu_gate(gate, up)
 
 
 class Attention(nn.Module):

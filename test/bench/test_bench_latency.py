@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from embodied_kv.bench import latency, latency_breakdown, limit
+from embodied_kv.bench import latency, latency_breakdown, latency_report, limit
 from embodied_kv.kernels import expert_attention, prefill_tile
 from embodied_kv.kernels.expert_attention import REDUCE
 from embodied_kv.kernels.prefill_tile import KEY_SPLITS
@@ -96,7 +96,7 @@ def test_the_verdict_names_both_limits(capsys):
     row = {"cameras": 2, "prefix_len": 663, "graphs_ms": {"median": 25.5, "p90": 26.0},
            "eager_ms": {"median": 261.0}, "eager_over_graphs": 10.2,
            **latency.limit_fields(2, 663, 25.5)}  # fmt: skip
-    latency.report({"rows": [row], "graph_mode": "cuda", "goal_x_limit": 1.5})
+    latency_report.report({"rows": [row], "graph_mode": "cuda", "goal_x_limit": 1.5})
     out = capsys.readouterr().out
     assert "VERDICT FAIL" in out and "4.44x the limit of its 663 prefix rows" in out
     assert "4.80x the 48-text-token limit" in out
@@ -125,10 +125,12 @@ def test_bench_latency_unfused_row(tmp_path, capsys):
         assert r["graphs_fused_ms"]["median"] > 0 and r["layer_step"] in ("fused", "unfused")
         assert r["graphs_prev_ms"]["median"] > 0 and r["prev_over_graphs"] > 0
         assert r["graphs_unsplit_ms"]["median"] > 0 and r["unsplit_over_graphs"] > 0
+        assert r["graphs_noprefetch_ms"]["median"] > 0 and r["noprefetch_over_graphs"] > 0
     printed = capsys.readouterr().out
     assert "layer-step unfused (the chain)" in printed
     assert "without the untimed changes (graphs_prev)" in printed
     assert "without the key splits (graphs_unsplit)" in printed
+    assert "without the weight prefetch (graphs_noprefetch)" in printed
 
 
 def test_configure_sets_each_engines_switches_and_restores_the_products():
@@ -137,6 +139,10 @@ def test_configure_sets_each_engines_switches_and_restores_the_products():
     assert not m.expert.rope_in_attention and not m.backbone.fused_epilogues
     assert m.expert.fused_layer_step == FUSED_LAYER_STEP and prefill_tile.KEY_SPLITS == 1
     assert expert_attention.REDUCE == "launch"  # the attention's two launches
+    assert not m.expert.prefetch_weights
+    latency.configure(m, "graphs_noprefetch")
+    assert not m.expert.prefetch_weights and m.expert.rope_in_attention
+    assert prefill_tile.KEY_SPLITS == KEY_SPLITS and expert_attention.REDUCE == REDUCE
     latency.configure(m, "graphs_unsplit")
     assert m.expert.rope_in_attention and prefill_tile.KEY_SPLITS == 1
     assert expert_attention.REDUCE == REDUCE
@@ -144,5 +150,5 @@ def test_configure_sets_each_engines_switches_and_restores_the_products():
     assert m.expert.fused_layer_step != FUSED_LAYER_STEP and m.backbone.fused_epilogues
     latency.configure(m, "graphs")
     assert m.expert.rope_in_attention and m.backbone.fused_epilogues
-    assert m.expert.fused_layer_step == FUSED_LAYER_STEP
+    assert m.expert.fused_layer_step == FUSED_LAYER_STEP and m.expert.prefetch_weights
     assert prefill_tile.KEY_SPLITS == KEY_SPLITS and expert_attention.REDUCE == REDUCE

@@ -42,12 +42,15 @@ def test_pi05_kernels_compile_for_sm90_without_spills(tmp_path):
     want |= {"norm_qkv_rope", "norm_gate_up", "linear_gated_residual", "add_layer_norm"}
     want |= {"gated_rms_norm", "add_rms_norm", "flow_action_in", "flow_euler_out", "rope_store"}
     want |= {"prefill_reduce"}
+    want |= {"l2_prefetch"}  # both GPU modes: per line and bulk
     assert kernels == want, kernels
     assert {r["arch"] for r in rows} == {90}
     for r in rows:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"spills: {r}"
         assert 0 < r["registers"] <= 255
         assert r["shared_bytes"] <= 227 * 1024, f"over sm_90's shared memory per block: {r}"
+        # the prefetch instructions survive compilation (an unused result must not drop them)
+        assert r["prefetch"] == r["name"].startswith("l2_prefetch"), r
         if r["name"].startswith("prefill_tile") and "key_splits=1" in r["name"]:
             assert r["wgmma"], f"the 64-row prefill tile should use Hopper's warpgroup MMA: {r}"
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -21,6 +21,7 @@ from embodied_kv.model.expert_step import (
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.synthetic import synthetic_observation
 from embodied_kv.model.vla import build_model
+from embodied_kv.model.weight_prefetch import GEMMS
 
 pytestmark = pytest.mark.skipif(triton is None, reason="triton is not installed")
 # the kernels on CPU tensors: the interpreter (a GPU machine runs them compiled, on CUDA
@@ -127,8 +128,8 @@ def test_the_whole_chunk_through_the_fused_path(monkeypatch, persistent):
     with torch.no_grad():
         want = m.expert.sample(arena, slot, torch.tensor(n), noise, rows=96)
 
-    def fused(layer, h, s, work):
-        return layer_step_fused(layer, h, s, work, kernels=True)
+    def fused(layer, h, s, work, hook=None):
+        return layer_step_fused(layer, h, s, work, kernels=True, hook=hook)
 
     def persistent_step(layer, h, s, work):
         return layer_step_persistent(layer, h, s, work, kernels=True)
@@ -138,9 +139,18 @@ def test_the_whole_chunk_through_the_fused_path(monkeypatch, persistent):
     monkeypatch.setattr(expert_module, "layer_step_persistent", persistent_step)
     m.expert.fused_layer_step = True  # CUDA's default runs the chain (model/expert.py)
     m.expert.persistent_layer_step = persistent
+    m.expert.prefetch_log = []  # what CUDA would prefetch (model/weight_prefetch.py)
     with torch.no_grad():
         got = m.expert.sample(arena, slot, torch.tensor(n), noise, rows=96)
     assert (got - want).abs().max().item() < 1e-3
+    # five launches: every GEMM's weights one ahead, as the chain; one persistent launch:
+    # o_proj's and gate/up's at its start (its q/k/v the sample's first prefetch only)
+    steps = [(k, i) for k in range(m.cfg.denoise_steps) for i in range(len(m.expert.layers))]
+    if persistent:
+        want_log = [(0, 0, "qkv")] + [(k, i, g) for k, i in steps for g in ("o", "gate_up")]
+    else:
+        want_log = [(k, i, g) for k, i in steps for g in GEMMS]
+    assert m.expert.prefetch_log == want_log
     if not persistent:  # o_proj (K = heads x D) and down (K = mlp)
         assert len(m.expert.workspaces._work) == 2
 
