@@ -145,6 +145,30 @@ def layer_step_persistent_cost(layer, h, s, work=None, kernels=False) -> tuple[f
     return sum(c[0] for c in costs), sum(c[1] for c in costs)
 
 
+def layers_step_persistent_cost(layers, h, inputs, work=None, kernels=False):
+    """Every layer of an Euler step as one persistent launch: their layer-steps' work."""
+    costs = [layer_step_persistent_cost(x, h, s) for x, s in zip(layers, inputs, strict=True)]
+    return sum(c[0] for c in costs), sum(c[1] for c in costs)
+
+
+@contextmanager
+def euler_step_as_on_cuda(expert_module):
+    """The expert's one launch an Euler step runs here as its layers' steps one by one (its
+    kernel needs CUDA or the interpreter), so that the census records it as one kernel."""
+    real = expert_module.layers_step_persistent
+
+    def layer_by_layer(layers, h, inputs, work, kernels=False):
+        for layer, s in zip(layers, inputs, strict=True):
+            h = expert_module.layer_step_persistent(layer, h, s, work)
+        return h
+
+    expert_module.layers_step_persistent = layer_by_layer
+    try:
+        yield
+    finally:
+        expert_module.layers_step_persistent = real
+
+
 @contextmanager
 def as_one_kernel(census: Census, module, name: str, cost):
     """`module.name` recorded as the single kernel it is on CUDA, priced by `cost(*args)`."""
@@ -194,6 +218,8 @@ def cuda_kernels(census: Census):
         as_one_kernel(census, step, "norm_gate_up", norm_gate_up_cost),
         as_one_kernel(census, step, "linear_gated_residual", linear_gated_residual_cost),
         as_one_kernel(census, expert, "layer_step_persistent", layer_step_persistent_cost),
+        euler_step_as_on_cuda(expert),  # then counted as one kernel:
+        as_one_kernel(census, expert, "layers_step_persistent", layers_step_persistent_cost),
         as_one_kernel(census, residual_norm, "add_layer_norm", add_layer_norm_cost),
         fused_as_on_cuda(expert),
     ):

@@ -26,6 +26,7 @@ from embodied_kv.model.expert_step import (
     layer_step_fused,
     layer_step_persistent,
     layer_step_ref,
+    layers_step_persistent,
 )
 from embodied_kv.model.flow_constants import FlowModulationCache
 from embodied_kv.model.layers import AdaRMSNorm, GemmaLayer, Rope, sinusoidal_time
@@ -42,6 +43,10 @@ FUSED_LAYER_STEP = False
 # The fused layer-step as one persistent launch (kernels/expert_layer_step.py) rather than
 # five: untimed on a GPU; `bench latency`'s fused row times whichever this says.
 PERSISTENT_LAYER_STEP = True
+# and with it, all the layers of an Euler step in one launch (issue 33 item 1, stage 2;
+# untimed): 10 launches a denoise instead of 180. Without the host's weight prefetch between
+# layers (model/weight_prefetch.py hooks the launches it sees).
+PERSISTENT_EULER_STEP = True
 
 
 class ActionExpert(nn.Module):
@@ -62,6 +67,7 @@ class ActionExpert(nn.Module):
         # True: CUDA runs the five fused kernels (model/expert_step.py); False: the chain
         self.fused_layer_step = FUSED_LAYER_STEP
         self.persistent_layer_step = PERSISTENT_LAYER_STEP  # the fused path in one launch
+        self.persistent_euler_step = PERSISTENT_EULER_STEP  # ... a launch per Euler step
         # the chain's attention rotates q and k itself (kernels/expert_attention.py rope=);
         # False: a RoPE launch before it (bench latency's graphs_prev)
         self.rope_in_attention = True
@@ -185,18 +191,16 @@ class ActionExpert(nn.Module):
         h = action_in(x_t, inp.weight, inp.bias, self.dtype)
         xn = None  # the chain's next input norm, from the previous layer's closing kernel
         last = len(self.layers) - 1
+        one_launch = self.persistent_euler_step and self.persistent_layer_step
+        if one_launch and all(self.takes_fused(mod, x, h) for x in self.layers):
+            # every layer in one launch (model/expert_step.py), or layer by layer below
+            inputs = [self.step_inputs(i, k, ctx, arena, slot) for i in range(last + 1)]
+            out = layers_step_persistent(list(self.layers), h, inputs, self.workspaces)
+            if out is not None:
+                return self.norm.modulate(out, mod.scale1[-1, k], mod.shift[-1, k])
         for i, layer in enumerate(self.layers):
             j = 2 * i
-            inputs = StepInputs(
-                scale1=(mod.scale1[j, k], mod.scale1[j + 1, k]),
-                shift=(mod.shift[j, k], mod.shift[j + 1, k]),
-                gate=(mod.gate[j, k], mod.gate[j + 1, k]),
-                cos_sin=ctx.cos_sin,
-                kp=arena.k[i, slot, : ctx.n_rows],  # [P, Hkv, D], a view
-                vp=arena.v[i, slot, : ctx.n_rows],
-                bias=ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i],
-                scale=self.scale,
-            )
+            inputs = self.step_inputs(i, k, ctx, arena, slot)
             hook = None if prefetch is None else partial(prefetch.at, k, i)
             if hook is not None:
                 hook(0)  # the q/k/v GEMM is next
@@ -220,6 +224,21 @@ class ActionExpert(nn.Module):
         if xn is None:
             xn = self.norm.modulate(h, mod.scale1[-1, k], mod.shift[-1, k])
         return xn
+
+    def step_inputs(self, i: int, k: int, ctx: StepContext, arena: KVArena,
+                    slot: int) -> StepInputs:  # fmt: skip
+        """What layer i reads at Euler step k besides the residual stream."""
+        mod, j = ctx.modulation, 2 * i
+        return StepInputs(
+            scale1=(mod.scale1[j, k], mod.scale1[j + 1, k]),
+            shift=(mod.shift[j, k], mod.shift[j + 1, k]),
+            gate=(mod.gate[j, k], mod.gate[j + 1, k]),
+            cos_sin=ctx.cos_sin,
+            kp=arena.k[i, slot, : ctx.n_rows],  # [P, Hkv, D], a view
+            vp=arena.v[i, slot, : ctx.n_rows],
+            bias=ctx.bias if ctx.bias.dim() == 1 else ctx.bias[i],
+            scale=self.scale,
+        )
 
     def takes_fused(self, mod, layer, h: torch.Tensor) -> bool:
         """The layer runs the five fused kernels (CUDA, FUSED_LAYER_STEP, one modulation row

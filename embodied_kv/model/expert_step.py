@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from embodied_kv.kernels import expert_attention as attention_kernels
 from embodied_kv.kernels import expert_layer_step as step_kernels
 from embodied_kv.kernels import gemm_residual
+from embodied_kv.kernels import layer_table as layer_tables
 from embodied_kv.kernels import norm_gate_up as gate_up_kernels
 from embodied_kv.kernels import norm_qkv_rope as qkv_kernels
 from embodied_kv.kernels.expert_attention import expert_attention, expert_workspace
@@ -144,6 +145,36 @@ def layer_step_persistent(
     return layer_step_fused(layer, h, s, work) if out is None else out
 
 
+def layers_step_persistent(
+    layers: list[GemmaLayer],
+    h: torch.Tensor,
+    inputs: list[StepInputs],
+    work: WorkspaceCache,
+    kernels: bool = False,
+) -> torch.Tensor | None:
+    """Every layer of an Euler step as one persistent launch (kernels/expert_layer_step.py
+    with a LayerTable: issue 33 item 1, its second stage), with the bytes of one launch a
+    layer -> h after the last layer; None where the layers cannot share a launch (weights
+    or views at uneven strides, norms with different eps, a CPU, a Triton that cannot build
+    it): the caller then runs them one by one. `kernels=True`: the Triton kernel whatever
+    the device (the tests, under TRITON_INTERPRET=1)."""
+    norms = {(x.input_layernorm.eps, x.post_attention_layernorm.eps) for x in layers}
+    if len(norms) != 1 or not (kernels or h.is_cuda):
+        return None
+    table = work.layer_table(layers, inputs)
+    if table is None:
+        return None
+    layer, s = layers[0], inputs[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    heads = (attn.heads, attn.kv_heads, attn.head_dim)
+    args = (h, s.scale1, s.shift, norms.pop(), s.gate, attn.fusion.weight, heads, *s.cos_sin,
+            s.kp, s.vp, s.bias, s.scale, attn.o_proj.weight, mlp.fusion.weight,
+            mlp.down_proj.weight)  # fmt: skip
+    if kernels:
+        return step_kernels.expert_layer_step_kernel(*args, table=table)
+    return step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp), table)
+
+
 def layer_step_fused(
     layer: GemmaLayer,
     h: torch.Tensor,
@@ -190,6 +221,7 @@ class WorkspaceCache:
         self._work: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._attention: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self._steps: dict[tuple, StepWork] = {}
+        self._offsets: dict[tuple, torch.Tensor | None] = {}  # per set of layer weights
 
     def step(self, h, attn, mlp, heads: tuple[int, int, int], kp) -> StepWork | None:
         """The persistent layer-step's buffers for these shapes on CUDA; None elsewhere."""
@@ -200,6 +232,24 @@ class WorkspaceCache:
             self._steps[key] = StepWork.new(h, attn.fusion.weight, attn.o_proj.weight,
                                             mlp.down_proj.weight, heads, kp.shape[0])  # fmt: skip
         return self._steps[key]
+
+    def layer_table(self, layers: list[GemmaLayer], inputs: list[StepInputs]):
+        """The LayerTable of one launch over `layers` (kernels/expert_layer_step.py), or None
+        where they cannot share one. Its weight offsets are made on the device once per set
+        of weights and kept (a CUDA graph reads them: made during warmup, never inside a
+        capture); the strides of the modulation, K/V and mask are read per call."""
+        weights = [(x.self_attn.fusion.weight, x.self_attn.o_proj.weight, x.mlp.fusion.weight,
+                    x.mlp.down_proj.weight) for x in layers]  # fmt: skip
+        key = tuple(t.data_ptr() for w in weights for t in w)
+        if key not in self._offsets:
+            offsets = layer_tables.weight_offsets(weights)
+            device = weights[0][0].device
+            self._offsets[key] = None if offsets is None else offsets.to(device)
+        if self._offsets[key] is None:
+            return None
+        mods = [(*s.scale1, *s.shift, *s.gate) for s in inputs]
+        kps, vps, biases = ([getattr(s, f) for s in inputs] for f in ("kp", "vp", "bias"))
+        return layer_tables.layer_table(self._offsets[key], mods, kps, vps, biases)
 
     def timed_out(self) -> int:
         """Kept workspaces whose persistent launches had a wait run past its bound

@@ -218,3 +218,38 @@ def test_on_cuda_the_persistent_layer_step_is_the_five_kernels():
     (step,) = work._steps.values()
     torch.cuda.synchronize()
     assert not failed(step) and int(step.phases.abs().sum()) == 0 and work.timed_out() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the real kernels")
+def test_on_cuda_one_launch_an_euler_step_is_a_launch_a_layer():
+    """On a GPU: the three layers of an Euler step in one persistent launch (a LayerTable:
+    issue 33 item 1, stage 2) against a persistent launch a layer, pi05 widths, five times
+    on one kept workspace: equal within an ulp of bf16, no wait timed out, counters at 0."""
+    from embodied_kv.kernels.expert_layer_step import failed
+    from embodied_kv.model.expert_step import layers_step_persistent
+
+    m = build_model(get_preset("pi05", layers=3, vision_layers=1), "cuda", torch.bfloat16)
+    arena = m.new_arena(2, 1024)
+    slot = arena.allocate()
+    m.prefill(arena, slot, m.embed_prefix(synthetic_observation(m.cfg, 5)))
+    n = arena.slot_len(slot)
+    e = m.expert
+    mod = e.flow_modulation(m.cfg.denoise_steps, "cuda")
+    ctx = e.context(None, m.cfg.action_horizon, torch.tensor(n, device="cuda"), 1024, "cuda",
+                    None, mod)  # fmt: skip
+    inputs = [e.step_inputs(i, 4, ctx, arena, slot) for i in range(3)]
+    g = torch.Generator(device="cuda").manual_seed(8)
+    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g, device="cuda")
+    h = h.to(torch.bfloat16)
+    work = WorkspaceCache()
+    with torch.no_grad():
+        want = h
+        for layer, s in zip(e.layers, inputs, strict=True):
+            want = layer_step_persistent(layer, want, s, work)
+        for _ in range(5):
+            got = layers_step_persistent(list(e.layers), h, inputs, work)
+            assert got is not None  # the layers share one launch
+            torch.testing.assert_close(got, want, atol=2**-6, rtol=2**-6)
+    (step,) = work._steps.values()
+    torch.cuda.synchronize()
+    assert not failed(step) and int(step.phases.abs().sum()) == 0 and work.timed_out() == 0

@@ -9,7 +9,7 @@ from embodied_kv.bench.estimate import H100, cuda_kernels
 from embodied_kv.bench.kernel_census import Census, Roofline
 from embodied_kv.kernels.expert_attention import REDUCE
 from embodied_kv.model.config import get_preset
-from embodied_kv.model.expert import PERSISTENT_LAYER_STEP
+from embodied_kv.model.expert import PERSISTENT_EULER_STEP, PERSISTENT_LAYER_STEP
 from embodied_kv.model.fused import fuse_projections
 from embodied_kv.model.layers import Rope
 from embodied_kv.model.synthetic import synthetic_observation
@@ -29,8 +29,11 @@ CHUNK_ATOL = 1e-4
 # call against 13.7 us for partials + reduce (kernels/expert_attention.py REDUCE "last"), 5
 # since the partials and their reduce run as one persistent launch (REDUCE "queue").
 # 1 with the five as one persistent launch (kernels/expert_layer_step.py,
-# model/expert.py PERSISTENT_LAYER_STEP).
-MAX_KERNELS_PER_LAYER_STEP = 1 if PERSISTENT_LAYER_STEP else 6 if REDUCE == "launch" else 5
+# model/expert.py PERSISTENT_LAYER_STEP); 0 with all the layers of an Euler step in one
+# (PERSISTENT_EULER_STEP: a layer more adds no launch).
+ONE_STEP = PERSISTENT_LAYER_STEP and PERSISTENT_EULER_STEP
+MAX_KERNELS_PER_LAYER_STEP = (0 if ONE_STEP else 1 if PERSISTENT_LAYER_STEP
+                              else 6 if REDUCE == "launch" else 5)  # fmt: skip
 # The chain (CUDA's default, model/expert.py FUSED_LAYER_STEP): q/k/v GEMM, the attention's
 # partials (RoPE on q and k as they are loaded) + reduce, o_proj, gated residual +
 # post-attention norm, gate/up, GELU-gate, down, gated residual + the next layer's input norm
