@@ -125,7 +125,7 @@ def expert_attention_cost(
             (reduce_flops, partials + q_bytes, splits)]  # fmt: skip
 
 
-def layer_step_persistent_cost(layer, h, s, work=None, kernels=False) -> tuple[float, float]:
+def layer_step_persistent_cost(layer, h, s, work=None, kernels=False, prefetch=True):
     """The five kernels' work as one persistent launch (kernels/expert_layer_step.py): their
     FLOPs and bytes summed (the reference path inside runs them, recorded as part of this)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -145,7 +145,7 @@ def layer_step_persistent_cost(layer, h, s, work=None, kernels=False) -> tuple[f
     return sum(c[0] for c in costs), sum(c[1] for c in costs)
 
 
-def layers_step_persistent_cost(layers, h, inputs, work=None, kernels=False):
+def layers_step_persistent_cost(layers, h, inputs, work=None, kernels=False, prefetch=True):
     """Every layer of an Euler step as one persistent launch: their layer-steps' work."""
     costs = [layer_step_persistent_cost(x, h, s) for x, s in zip(layers, inputs, strict=True)]
     return sum(c[0] for c in costs), sum(c[1] for c in costs)
@@ -157,7 +157,7 @@ def euler_step_as_on_cuda(expert_module):
     kernel needs CUDA or the interpreter), so that the census records it as one kernel."""
     real = expert_module.layers_step_persistent
 
-    def layer_by_layer(layers, h, inputs, work, kernels=False):
+    def layer_by_layer(layers, h, inputs, work, kernels=False, prefetch=True):
         for layer, s in zip(layers, inputs, strict=True):
             h = expert_module.layer_step_persistent(layer, h, s, work)
         return h

@@ -43,6 +43,7 @@ from embodied_kv.kernels import gemm_residual as res
 from embodied_kv.kernels.expert_attention import chunk_blocks, expert_workspace, split_count
 from embodied_kv.kernels.expert_combine import QUEUE_COLS, reduce_items
 from embodied_kv.kernels.fallback import try_kernel
+from embodied_kv.kernels.l2_prefetch import chunk_bytes, kernel_mode
 from embodied_kv.kernels.layer_table import OFFSET_BYTES, LayerTable
 from embodied_kv.kernels.norm_gate_up import plan_norm_gate_up
 from embodied_kv.kernels.norm_prologue import PI05_EXPERT, numerics
@@ -104,6 +105,7 @@ if triton is not None:
     from embodied_kv.kernels.expert_combine import reduce_item
     from embodied_kv.kernels.expert_tile import attend_tile_call
     from embodied_kv.kernels.gemm_residual import gated_residual_tile_call
+    from embodied_kv.kernels.l2_prefetch import prefetch_share
     from embodied_kv.kernels.norm_gate_up import norm_gate_up_tile_call
     from embodied_kv.kernels.norm_qkv_rope import norm_qkv_rope_tile_call
     from embodied_kv.kernels.work_queue import arrive, finish, grab, wait_for
@@ -139,7 +141,8 @@ if triton is not None:
         D_BLOCK_M: tl.constexpr, D_BLOCK_N: tl.constexpr, D_BLOCK_K: tl.constexpr,
         D_SPLIT_K: tl.constexpr,
         ROUND_LIN: tl.constexpr, ROUND_BF16: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr, OFF_GRAIN: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, OFF_GRAIN: tl.constexpr, PREFETCH: tl.constexpr,
+        PF_CHUNK: tl.constexpr,
     ):  # fmt: skip
         hq = n_heads
         n_kv = n_heads // GROUP
@@ -158,6 +161,7 @@ if triton is not None:
         queue_ptr = phase_ptr + 5
         err_ptr = queue_ptr + 1
         nw = n_rows * width
+        es = w_qkv_ptr.dtype.element_ty.primitive_bitwidth // 8
         item = grab(queue_ptr)
         while item < n_layers * e5:
             layer = item // e5
@@ -166,9 +170,13 @@ if triton is not None:
             h_l = hs_ptr + tl.where(layer == 0, in_off, ((layer + 1) % 2) * nw)
             out_l = hs_ptr + tl.where(layer == n_layers - 1, out_off, (layer % 2) * nw)
             if local < e0:
+                w_l = w_qkv_ptr + tl.multiple_of(tl.load(w_off_ptr + layer), OFF_GRAIN)
+                # each item its share of the phase's weights towards L2 before it waits
+                # (kernels/l2_prefetch.py; off under the interpreter), as in phases 3-5
+                prefetch_share(w_l, (rope_heads + n_kv) * HEAD_DIM * stride_wqkv * es, local,
+                               e0, PREFETCH, PF_CHUNK)  # fmt: skip
                 if layer > 0:  # the layer before has written its output
                     wait_for(phase_ptr + 4, layer * (e5 - e4), err_ptr, max_spins)
-                w_l = w_qkv_ptr + tl.multiple_of(tl.load(w_off_ptr + layer), OFF_GRAIN)
                 norm_qkv_rope_tile_call(
                     local // qkv_p, local % qkv_p, h_l, scale_a_ptr + layer * stride_sc,
                     shift_a_ptr + layer * stride_sh, w_l, cos_ptr, sin_ptr, qkv_ptr, n_rows,
@@ -201,9 +209,10 @@ if triton is not None:
                 )  # fmt: skip
                 arrive(phase_ptr + 1)
             elif local < e3:
-                wait_for(phase_ptr + 1, (layer + 1) * (e2 - e1), err_ptr, max_spins)
                 i = local - e2
                 w_l = w_o_ptr + tl.multiple_of(tl.load(w_off_ptr + n_layers + layer), OFF_GRAIN)
+                prefetch_share(w_l, width * stride_wo * es, i, e3 - e2, PREFETCH, PF_CHUNK)
+                wait_for(phase_ptr + 1, (layer + 1) * (e2 - e1), err_ptr, max_spins)
                 gated_residual_tile_call(
                     i // (o_n * O_SPLIT_K), (i // O_SPLIT_K) % o_n, i % O_SPLIT_K, o_n,
                     att_out_ptr, w_l, h_l, gate_a_ptr + layer * stride_g, h1_ptr, part_o_ptr,
@@ -213,9 +222,11 @@ if triton is not None:
                 )  # fmt: skip
                 arrive(phase_ptr + 2)
             elif local < e4:
-                wait_for(phase_ptr + 2, (layer + 1) * (e3 - e2), err_ptr, max_spins)
                 w_l = w_gu_ptr + tl.multiple_of(tl.load(w_off_ptr + 2 * n_layers + layer),
                                                 OFF_GRAIN)
+                prefetch_share(w_l, 2 * hidden * stride_wgu * es, local - e3, e4 - e3, PREFETCH,
+                               PF_CHUNK)  # fmt: skip
+                wait_for(phase_ptr + 2, (layer + 1) * (e3 - e2), err_ptr, max_spins)
                 norm_gate_up_tile_call(
                     (local - e3) // gu_c, (local - e3) % gu_c, h1_ptr,
                     scale_b_ptr + layer * stride_sc, shift_b_ptr + layer * stride_sh, w_l,
@@ -224,10 +235,11 @@ if triton is not None:
                 )  # fmt: skip
                 arrive(phase_ptr + 3)
             else:
-                wait_for(phase_ptr + 3, (layer + 1) * (e4 - e3), err_ptr, max_spins)
                 i = local - e4
                 w_l = w_d_ptr + tl.multiple_of(tl.load(w_off_ptr + 3 * n_layers + layer),
                                                OFF_GRAIN)
+                prefetch_share(w_l, width * stride_wd * es, i, e5 - e4, PREFETCH, PF_CHUNK)
+                wait_for(phase_ptr + 3, (layer + 1) * (e4 - e3), err_ptr, max_spins)
                 gated_residual_tile_call(
                     i // (d_n * D_SPLIT_K), (i // D_SPLIT_K) % d_n, i % D_SPLIT_K, d_n,
                     act_ptr, w_l, h1_ptr, gate_b_ptr + layer * stride_g, out_l, part_d_ptr,
@@ -242,13 +254,14 @@ if triton is not None:
 
 def plan_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp, bias,
                     scale: float, w_o, w_gu, w_down, work: StepWork, out,
-                    max_spins: int = MAX_SPINS,
-                    table: LayerTable | None = None) -> Launch:  # fmt: skip
+                    max_spins: int = MAX_SPINS, table: LayerTable | None = None,
+                    prefetch: bool = True) -> Launch:  # fmt: skip
     """The one launch (inputs already validated; `meta` tensors work). scale1, shift, eps,
     gate: pairs (the input norm and the gate after the attention, the post-attention norm
     and the gate after the MLP); heads (Hq, Hkv, D). The tensors are layer 0's; `table`
     (layer_table) runs its layers one after another in the launch, out the last one's."""
     table = table or one_layer(work)
+    pf_mode = kernel_mode(h.device, prefetch)  # none under the interpreter
     (n, width), (hq, hkv, d), hidden = h.shape, heads, w_down.shape[1]
     qkv = plan_norm_qkv_rope(h, scale1[0], shift[0], eps[0], w_qkv, hq + hkv, cos, sin, work.qkv)
     gu = plan_norm_gate_up(work.h1, scale1[1], shift[1], eps[1], w_gu, work.act)
@@ -302,6 +315,7 @@ def plan_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp,
             "ROUND_LIN": h.dtype != torch.float32,
             "ROUND_BF16": flags["ROUND_BF16"],
             "OFF_GRAIN": OFFSET_BYTES // es,  # weight offsets: whole 16-byte vectors
+            "PREFETCH": pf_mode, "PF_CHUNK": chunk_bytes(pf_mode),
         },  # fmt: skip
         num_warps=4,
         num_stages=3,
@@ -310,8 +324,8 @@ def plan_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp,
 
 def expert_layer_step_kernel(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp, bias,
                              scale: float, w_o, w_gu, w_down, work: StepWork | None = None,
-                             max_spins: int = MAX_SPINS,
-                             table: LayerTable | None = None) -> torch.Tensor:  # fmt: skip
+                             max_spins: int = MAX_SPINS, table: LayerTable | None = None,
+                             prefetch: bool = True) -> torch.Tensor:  # fmt: skip
     """The Triton kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1) -> h after the
     layer, a new [N, W]; arguments as `plan_layer_step` (with `table`, layer 0's, and h
     after the table's last layer). `work`: a StepWork for these shapes, reused across calls
@@ -333,13 +347,13 @@ def expert_layer_step_kernel(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin
         work = StepWork.new(h, w_qkv, w_o, w_down, heads, kp.shape[0])
     out = torch.empty_like(h)
     plan_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp, bias, scale,
-                    w_o, w_gu, w_down, work, out, max_spins, table).run()  # fmt: skip
+                    w_o, w_gu, w_down, work, out, max_spins, table, prefetch).run()  # fmt: skip
     return out
 
 
 def expert_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp, bias,
                       scale: float, w_o, w_gu, w_down, work: StepWork | None = None,
-                      table: LayerTable | None = None):  # fmt: skip
+                      table: LayerTable | None = None, prefetch: bool = True):  # fmt: skip
     """Dispatch: the persistent kernel on CUDA at inference -> h after the layer (or the
     table's layers); None elsewhere, or when its kernel cannot run here (the caller then
     runs the five kernels a layer: model/expert_step.py)."""
@@ -347,7 +361,7 @@ def expert_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, v
         return None
     return try_kernel("expert_layer_step", expert_layer_step_kernel, h, scale1, shift, eps,
                       gate, w_qkv, heads, cos, sin, kp, vp, bias, scale, w_o, w_gu, w_down,
-                      work, table=table)  # fmt: skip
+                      work, table=table, prefetch=prefetch)  # fmt: skip
 
 
 def pi05_launches(dtype: torch.dtype = torch.bfloat16, n_prefix: int = 704) -> list[Launch]:

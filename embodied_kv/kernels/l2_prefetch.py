@@ -59,6 +59,16 @@ def mode_for(device: torch.device) -> int:
     return MODE_BULK if major >= 9 else MODE_LINE
 
 
+def kernel_mode(device: torch.device | str, on: bool = True) -> int:
+    """The mode a persistent kernel prefetches its phases' weights in (prefetch_share): the
+    GPU's; 0 (none) off CUDA, where the interpreter cannot run inline assembly; MODE_BULK
+    for `meta` tensors (kernels/offline_compile.py builds for sm_90)."""
+    device = torch.device(device)
+    if not on or device.type not in ("cuda", "meta"):
+        return 0
+    return MODE_BULK if device.type == "meta" else mode_for(device)
+
+
 def chunk_bytes(mode: int) -> int:
     return BULK_CHUNK if mode == MODE_BULK else LINE
 
@@ -89,19 +99,44 @@ if triton is not None:
             # dead lanes repeat the first chunk: a prefetch of a valid line, never a fault
             addr = tl.where(live, addr, a0)
             size = tl.where(live, size, tl.minimum(e0 - a0, CHUNK)).to(tl.int32)
-            if MODE == 2:
-                tl.inline_asm_elementwise(
-                    "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
-                    "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
-                )  # fmt: skip
-            elif MODE == 1:
-                tl.inline_asm_elementwise(
-                    "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-                    "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1,
-                )  # fmt: skip
-            else:
+            if MODE == 0:
                 tl.store(out_ptr + 2 * j64, addr, mask=live)
                 tl.store(out_ptr + 2 * j64 + 1, size.to(tl.int64), mask=live)
+            else:
+                issue(addr, size, MODE)
+
+    @triton.jit
+    def issue(addr, size, MODE: tl.constexpr):
+        """A prefetch per element: addr (int64, a line's start) and, in MODE_BULK, size
+        (int32 bytes, a multiple of 16)."""
+        if MODE == 2:
+            tl.inline_asm_elementwise(
+                "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+        else:
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
+                "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+
+    @triton.jit(noinline=True)
+    def prefetch_share(ptr, nbytes, part, parts, MODE: tl.constexpr, CHUNK: tl.constexpr):
+        """Inside a persistent kernel: item `part` of a phase's `parts` items prefetches its
+        share of the nbytes at ptr (the phase's weights), so that the phase's items,
+        taken while the phase before still runs, start its weights towards L2 before they
+        wait. Whole lines, inside the tensor's allocation, CHUNK (chunk_bytes(MODE)) bytes
+        an instruction; MODE 0: nothing."""
+        if MODE != 0:
+            base = ptr.to(tl.int64, bitcast=True)
+            nbytes = nbytes.to(tl.int64)  # x part below: past int32 at 16 MB x 256 items
+            end = (nbytes + 127) // 128 * 128
+            lo = (nbytes * part // parts) // 128 * 128
+            hi = tl.minimum((nbytes * (part + 1) // parts + 127) // 128 * 128, end)
+            for first in range(lo, hi, 32 * CHUNK):
+                offs = first + tl.arange(0, 32).to(tl.int64) * CHUNK
+                offs = tl.where(offs < hi, offs, lo)  # dead lanes repeat the first chunk
+                issue(base + offs, tl.minimum(hi - offs, CHUNK).to(tl.int32), MODE)
 
 
 def plan_prefetch(ranges: list[tuple[int, int]], mode: int, out: torch.Tensor,

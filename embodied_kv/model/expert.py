@@ -195,20 +195,22 @@ class ActionExpert(nn.Module):
         if one_launch and all(self.takes_fused(mod, x, h) for x in self.layers):
             # every layer in one launch (model/expert_step.py), or layer by layer below
             inputs = [self.step_inputs(i, k, ctx, arena, slot) for i in range(last + 1)]
-            out = layers_step_persistent(list(self.layers), h, inputs, self.workspaces)
+            out = layers_step_persistent(list(self.layers), h, inputs, self.workspaces,
+                                         prefetch=self.prefetch_weights)  # fmt: skip
             if out is not None:
                 return self.norm.modulate(out, mod.scale1[-1, k], mod.shift[-1, k])
         for i, layer in enumerate(self.layers):
             j = 2 * i
             inputs = self.step_inputs(i, k, ctx, arena, slot)
             hook = None if prefetch is None else partial(prefetch.at, k, i)
-            if hook is not None:
+            persistent = self.takes_fused(mod, layer, h) and self.persistent_layer_step
+            if hook is not None and not persistent:
                 hook(0)  # the q/k/v GEMM is next
             # CUDA: model/expert_step.py; its kernels take one modulation row for all rows
-            if self.takes_fused(mod, layer, h) and self.persistent_layer_step:
-                if hook is not None:  # one launch: o_proj's and gate/up's weights at its start
-                    hook(1)
-                h, xn = layer_step_persistent(layer, h, inputs, self.workspaces), None
+            if persistent:  # one launch, whose items prefetch their own phase's weights
+                h = layer_step_persistent(layer, h, inputs, self.workspaces,
+                                          prefetch=self.prefetch_weights)  # fmt: skip
+                xn = None
             elif self.takes_fused(mod, layer, h):
                 h, xn = layer_step_fused(layer, h, inputs, self.workspaces, hook=hook), None
             elif i < last and self.takes_fused(mod, self.layers[i + 1], h):

@@ -128,20 +128,28 @@ def layer_step_ref(
 
 
 def layer_step_persistent(
-    layer: GemmaLayer, h: torch.Tensor, s: StepInputs, work: WorkspaceCache, kernels: bool = False
+    layer: GemmaLayer,
+    h: torch.Tensor,
+    s: StepInputs,
+    work: WorkspaceCache,
+    kernels: bool = False,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """The five kernels' work as one persistent launch (kernels/expert_layer_step.py), with
     the five calls' bytes; where its kernel does not run (a CPU, or a Triton that cannot
     build it), the five calls. `kernels=True` calls the Triton kernel whatever the device
-    (CPU tensors under TRITON_INTERPRET=1: the tests)."""
+    (CPU tensors under TRITON_INTERPRET=1: the tests). `prefetch`: the launch's items start
+    their phase's weights towards L2 before they wait (kernels/l2_prefetch.py
+    prefetch_share; CUDA only)."""
     attn, mlp = layer.self_attn, layer.mlp
     heads = (attn.heads, attn.kv_heads, attn.head_dim)
     args = (h, s.scale1, s.shift, (layer.input_layernorm.eps, layer.post_attention_layernorm.eps),
             s.gate, attn.fusion.weight, heads, *s.cos_sin, s.kp, s.vp, s.bias, s.scale,
             attn.o_proj.weight, mlp.fusion.weight, mlp.down_proj.weight)  # fmt: skip
     if kernels:
-        return step_kernels.expert_layer_step_kernel(*args)
-    out = step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp))
+        return step_kernels.expert_layer_step_kernel(*args, prefetch=prefetch)
+    out = step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp),
+                                         prefetch=prefetch)  # fmt: skip
     return layer_step_fused(layer, h, s, work) if out is None else out
 
 
@@ -151,13 +159,14 @@ def layers_step_persistent(
     inputs: list[StepInputs],
     work: WorkspaceCache,
     kernels: bool = False,
+    prefetch: bool = True,
 ) -> torch.Tensor | None:
     """Every layer of an Euler step as one persistent launch (kernels/expert_layer_step.py
     with a LayerTable: issue 33 item 1, its second stage), with the bytes of one launch a
     layer -> h after the last layer; None where the layers cannot share a launch (weights
     or views at uneven strides, norms with different eps, a CPU, a Triton that cannot build
     it): the caller then runs them one by one. `kernels=True`: the Triton kernel whatever
-    the device (the tests, under TRITON_INTERPRET=1)."""
+    the device (the tests, under TRITON_INTERPRET=1). `prefetch`: as layer_step_persistent's."""
     norms = {(x.input_layernorm.eps, x.post_attention_layernorm.eps) for x in layers}
     if len(norms) != 1 or not (kernels or h.is_cuda):
         return None
@@ -171,8 +180,9 @@ def layers_step_persistent(
             s.kp, s.vp, s.bias, s.scale, attn.o_proj.weight, mlp.fusion.weight,
             mlp.down_proj.weight)  # fmt: skip
     if kernels:
-        return step_kernels.expert_layer_step_kernel(*args, table=table)
-    return step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp), table)
+        return step_kernels.expert_layer_step_kernel(*args, table=table, prefetch=prefetch)
+    return step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp), table,
+                                          prefetch)  # fmt: skip
 
 
 def layer_step_fused(

@@ -16,7 +16,10 @@ stream joins the action's stream at the end of `sample`, so a CUDA graph capture
 prefetches as a branch beside the denoise, and nothing waits on them: a prefetch is a hint.
 
 Off CUDA nothing is launched; `log` (a list) records what would be prefetched, which the
-tests check against the order of use.
+tests check against the order of use. This covers the chain and the five-launch fused
+path; the persistent launches (kernels/expert_layer_step.py) prefetch inside, each GEMM
+item its share of its phase's weights before it waits (kernels/l2_prefetch.py
+prefetch_share), so model/expert.py calls no hook around them.
 """
 
 from __future__ import annotations

@@ -99,12 +99,12 @@ def test_sample_through_one_launch_an_euler_step_is_the_per_layer_chunk(monkeypa
     noise = m.make_noise(3)
     calls = []
 
-    def per_layer(layer, h, s, work, kernels=False):
-        return layer_step_persistent(layer, h, s, work, kernels=True)
+    def per_layer(layer, h, s, work, kernels=False, prefetch=True):
+        return layer_step_persistent(layer, h, s, work, kernels=True, prefetch=prefetch)
 
-    def one_launch(layers, h, inputs, work, kernels=False):
+    def one_launch(layers, h, inputs, work, kernels=False, prefetch=True):
         calls.append(len(layers))
-        return layers_step_persistent(layers, h, inputs, work, kernels=True)
+        return layers_step_persistent(layers, h, inputs, work, kernels=True, prefetch=prefetch)
 
     monkeypatch.setattr(expert_module, "fused_ready", lambda layer, h: True)
     monkeypatch.setattr(expert_module, "layer_step_persistent", per_layer)

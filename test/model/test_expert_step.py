@@ -131,8 +131,8 @@ def test_the_whole_chunk_through_the_fused_path(monkeypatch, persistent):
     def fused(layer, h, s, work, hook=None):
         return layer_step_fused(layer, h, s, work, kernels=True, hook=hook)
 
-    def persistent_step(layer, h, s, work):
-        return layer_step_persistent(layer, h, s, work, kernels=True)
+    def persistent_step(layer, h, s, work, prefetch=True):
+        return layer_step_persistent(layer, h, s, work, kernels=True, prefetch=prefetch)
 
     monkeypatch.setattr(expert_module, "fused_ready", lambda layer, h: True)
     monkeypatch.setattr(expert_module, "layer_step_fused", fused)
@@ -143,11 +143,11 @@ def test_the_whole_chunk_through_the_fused_path(monkeypatch, persistent):
     with torch.no_grad():
         got = m.expert.sample(arena, slot, torch.tensor(n), noise, rows=96)
     assert (got - want).abs().max().item() < 1e-3
-    # five launches: every GEMM's weights one ahead, as the chain; one persistent launch:
-    # o_proj's and gate/up's at its start (its q/k/v the sample's first prefetch only)
+    # five launches: every GEMM's weights one ahead, as the chain; persistent launches
+    # prefetch inside (their items, on CUDA): the host only the sample's first q/k/v
     steps = [(k, i) for k in range(m.cfg.denoise_steps) for i in range(len(m.expert.layers))]
     if persistent:
-        want_log = [(0, 0, "qkv")] + [(k, i, g) for k, i in steps for g in ("o", "gate_up")]
+        want_log = [(0, 0, "qkv")]
     else:
         want_log = [(k, i, g) for k, i in steps for g in GEMMS]
     assert m.expert.prefetch_log == want_log
