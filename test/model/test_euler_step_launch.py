@@ -12,31 +12,20 @@ import embodied_kv.model.expert as expert_module
 from embodied_kv.kernels import expert_layer_step as step_kernels
 from embodied_kv.kernels import layer_table as layer_tables
 from embodied_kv.kernels.triton_base import INTERPRETED, triton
-from embodied_kv.model.config import get_preset
 from embodied_kv.model.expert_step import (
     StepInputs,
     WorkspaceCache,
     layer_step_persistent,
     layers_step_persistent,
 )
-from embodied_kv.model.fused import fuse_projections
-from embodied_kv.model.synthetic import synthetic_observation
-from embodied_kv.model.vla import build_model
+
+from .test_expert_step import model_and_prefix, stream
 
 pytestmark = [
     pytest.mark.skipif(triton is None, reason="triton is not installed"),
     pytest.mark.skipif(not INTERPRETED, reason="CPU tensors through the kernels need "
                        "TRITON_INTERPRET=1 (a GPU runs the CUDA test in test_expert_step.py)"),
 ]  # fmt: skip
-
-
-def model_and_prefix(dtype, layers=3):
-    m = build_model(get_preset("tiny", layers=layers), dtype=dtype)
-    fuse_projections(m)  # as build_model does on CUDA
-    arena = m.new_arena(2, 128)
-    slot = arena.allocate()
-    m.prefill(arena, slot, m.embed_prefix(synthetic_observation(m.cfg, 5)))
-    return m, arena, slot, arena.slot_len(slot)
 
 
 def all_inputs(m, arena, slot, n, k, rows):
@@ -49,9 +38,8 @@ def all_inputs(m, arena, slot, n, k, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [None, 96])  # exact prefix; a graph's row bucket (masked)
 def test_the_layers_in_one_launch_are_one_launch_a_layer_bytewise(dtype, rows):
-    m, arena, slot, n = model_and_prefix(dtype)
-    g = torch.Generator().manual_seed(7)
-    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g).to(dtype)
+    m, arena, slot, n = model_and_prefix(dtype, layers=3)
+    h = stream(m, dtype, 7)
     layers = list(m.expert.layers)
     with torch.no_grad():
         inputs = all_inputs(m, arena, slot, n, k=4, rows=rows)
@@ -70,9 +58,9 @@ def test_the_layers_in_one_launch_are_one_launch_a_layer_bytewise(dtype, rows):
 
 def test_the_launch_is_reused_and_leaves_its_counters_at_zero():
     """On a kept StepWork (as CUDA keeps it), twice: the same bytes, every counter at 0."""
-    m, arena, slot, n = model_and_prefix(torch.float32)
+    m, arena, slot, n = model_and_prefix(torch.float32, layers=3)
     layers = list(m.expert.layers)
-    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width)
+    h = stream(m, torch.float32, 2)
     with torch.no_grad():
         inputs = all_inputs(m, arena, slot, n, k=2, rows=96)
         table = WorkspaceCache().layer_table(layers, inputs)
@@ -120,7 +108,7 @@ def test_sample_through_one_launch_an_euler_step_is_the_per_layer_chunk(monkeypa
 
 
 def test_layers_that_cannot_share_a_launch_are_refused():
-    m, arena, slot, n = model_and_prefix(torch.float32)
+    m, arena, slot, n = model_and_prefix(torch.float32, layers=3)
     layers = list(m.expert.layers)
     with torch.no_grad():
         inputs = all_inputs(m, arena, slot, n, k=0, rows=96)

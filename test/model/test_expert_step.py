@@ -35,13 +35,19 @@ interpreted = pytest.mark.skipif(
 TOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2}
 
 
-def model_and_prefix(dtype, rows=None):
-    m = build_model(get_preset("tiny", layers=2), dtype=dtype)
+def model_and_prefix(dtype, layers=2):
+    m = build_model(get_preset("tiny", layers=layers), dtype=dtype)
     fuse_projections(m)  # as build_model does on CUDA
     arena = m.new_arena(2, 128)
     slot = arena.allocate()
     m.prefill(arena, slot, m.embed_prefix(synthetic_observation(m.cfg, 5)))
     return m, arena, slot, arena.slot_len(slot)
+
+
+def stream(m, dtype, seed):
+    """A random residual stream [H, W] for the expert's layers."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g).to(dtype)
 
 
 def inputs_of(m, arena, slot, n, i, k, rows):
@@ -67,8 +73,7 @@ def inputs_of(m, arena, slot, n, i, k, rows):
 @pytest.mark.parametrize("rows", [None, 96])  # exact prefix; a graph's row bucket (masked)
 def test_fused_layer_step_equals_the_cpu_chain(dtype, rows):
     m, arena, slot, n = model_and_prefix(dtype)
-    g = torch.Generator().manual_seed(1)
-    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g).to(dtype)
+    h = stream(m, dtype, 1)
     work = WorkspaceCache()
     with torch.no_grad():
         for i, layer in enumerate(m.expert.layers):
@@ -91,8 +96,7 @@ def test_the_persistent_layer_step_is_the_five_kernels_bytewise(dtype, rows):
     from embodied_kv.kernels.expert_layer_step import StepWork, failed
 
     m, arena, slot, n = model_and_prefix(dtype)
-    g = torch.Generator().manual_seed(4)
-    h = torch.randn(m.cfg.action_horizon, m.cfg.expert.width, generator=g).to(dtype)
+    h = stream(m, dtype, 4)
     with torch.no_grad():
         for i, layer in enumerate(m.expert.layers):
             s = inputs_of(m, arena, slot, n, i, k=5, rows=rows)
