@@ -64,8 +64,8 @@ def kernel_mode(device: torch.device | str, on: bool = True) -> int:
     GPU's; 0 (none) off CUDA, where the interpreter cannot run inline assembly; MODE_BULK
     for `meta` tensors (kernels/offline_compile.py builds for sm_90)."""
     device = torch.device(device)
-    if not on or device.type not in ("cuda", "meta"):
-        return 0
+    if not on or device.type not in ("cuda", "meta") or torch.version.hip:
+        return 0  # (ROCm's "cuda" devices take no PTX)
     return MODE_BULK if device.type == "meta" else mode_for(device)
 
 
@@ -197,7 +197,7 @@ def prefetch_l2(tensors: list[torch.Tensor]) -> bool:
     """Dispatch: prefetch on CUDA (a hint: nothing else changes) -> whether it was issued.
     Elsewhere, or where Triton cannot build the kernel, nothing is done: a prefetch is never
     needed for a result."""
-    if not tensors or not use_kernel(tensors[0]):
+    if not tensors or not use_kernel(tensors[0]) or torch.version.hip:
         return False
     return try_kernel("l2_prefetch", _issue, tensors) is not None
 
