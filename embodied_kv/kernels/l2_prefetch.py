@@ -184,13 +184,27 @@ def prefetch_kernel(tensors: list[torch.Tensor], mode: int | None = None,
     mode = mode_for(device) if mode is None else mode
     chunk = chunk_bytes(mode) if chunk is None else chunk
     record = mode == MODE_RECORD
-    out = torch.empty(chunks(ranges, chunk) if record else 1, 2, dtype=torch.int64, device=device)
+    if record:
+        out = torch.empty(chunks(ranges, chunk), 2, dtype=torch.int64, device=device)
+    else:
+        out = _unused(device)
     done = 0
     for i in range(0, len(ranges), MAX_RANGES):
         part = ranges[i : i + MAX_RANGES]
         plan_prefetch(part, mode, out[done:] if record else out, chunk).run()
         done += chunks(part, chunk)
     return out if record else None
+
+
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
+def _unused(device: torch.device) -> torch.Tensor:
+    """The GPU modes' `out` argument (never written): one per device, made on the first
+    call (a warmup's, before any graph capture), so a captured launch allocates nothing."""
+    if device not in _UNUSED:
+        _UNUSED[device] = torch.empty(1, 2, dtype=torch.int64, device=device)
+    return _UNUSED[device]
 
 
 def prefetch_l2(tensors: list[torch.Tensor]) -> bool:
