@@ -10,10 +10,11 @@ to the host. No language request runs (narration off), so nothing else shares th
             buckets, one denoise graph per slot and row bucket), captured at warmup.
             On a CPU the same graph code in emulation (replay = calling the function).
     graphs_alt  (on CUDA, or --unfused-row) the same with the expert's other layer-step:
-            the five fused kernels (model/expert_step.py) where the product runs the chain
-            (~13 kernels; model/expert.py FUSED_LAYER_STEP), or the chain where it runs
-            the fused kernels; rows carry `graphs_fused_ms`, `graphs_unfused_ms` and
-            `unfused_over_fused`: which one wins on this GPU.
+            the fused path (model/expert_step.py: the five fused kernels' work as persistent
+            launches, one an Euler step with model/expert.py PERSISTENT_EULER_STEP) where
+            the product runs the chain (8 kernels a layer-step; FUSED_LAYER_STEP), or the
+            chain where it runs the fused path; rows carry `graphs_fused_ms`,
+            `graphs_unfused_ms` and `unfused_over_fused`: which one wins on this GPU.
     graphs_prev (with graphs_alt) the product's path without the changes no GPU has timed
             yet (RoPE inside the expert's attention; the backbone's RoPE + K/V store and
             residual add + RMSNorm kernels; the prefill tile's key splits): the ops as

@@ -50,7 +50,7 @@ def report(result: dict) -> None:
             ratio, own = r["unfused_over_fused"], r["layer_step"]
             lost = (ratio < 1) == (own == "fused") and result["graph_mode"] != "emulate"
             print(f"{r['cameras']} cameras: the expert's layer-step unfused (the chain) "
-                  f"{r['graphs_unfused_ms']['median']:.2f} ms, fused (five kernels) "
+                  f"{r['graphs_unfused_ms']['median']:.2f} ms, fused (persistent launches) "
                   f"{r['graphs_fused_ms']['median']:.2f} ms: unfused = {ratio:.2f}x fused; the "
                   f"product runs {own}" + ("  LOSS: the other layer-step is faster here"
                                            if lost else ""))  # fmt: skip
