@@ -38,6 +38,12 @@ class LoopCounters:
     action_late: int = 0  # chunk ready after the cycle's deadline
     overruns: int = 0  # cycle ended after its deadline
     decode_deferred: int = 0  # cycles that stopped decoding with requests still live
+    # persistent launches whose bounded wait ran out (kernels/work_queue.py: their outputs
+    # were wrong), read every WAIT_CHECK_CYCLES cycles where the chunk's copy has synced
+    wait_timeouts: int = 0
+
+
+WAIT_CHECK_CYCLES = 50
 
 
 STARVE_CYCLES = 2  # cycles in a row without a decode step before one runs regardless
@@ -131,6 +137,8 @@ class FrameLoop:
             self.queue.push(chunk, tick, model_chunk if plan else None)
             t_action = self.clock()
             self.counters.action_late += int(t_action > deadline)
+            if self.counters.cycles % WAIT_CHECK_CYCLES == 0:  # the device is idle here
+                self.counters.wait_timeouts = self.model.expert.workspaces.timed_out()
             prefill_s = self.watch.seconds(prefilled)  # the device is done with it by now
             if self.draw_ahead:
                 self.noise.draw(cfg.seed + frame + 1)  # the next frame's, off the action path

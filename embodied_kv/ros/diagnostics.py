@@ -24,6 +24,10 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
     cycles, loop, faults = host.cycles.counters, engine.loop.counters, engine.faults
     if faults.safe:  # repeated failures: the last action is held, language paused
         level, message = DiagnosticStatus.ERROR, f"safe state: {faults.safe_reason}"
+    elif loop.wait_timeouts:  # a persistent launch gave up waiting: its outputs were wrong
+        level, message = DiagnosticStatus.ERROR, (
+            f"{loop.wait_timeouts} persistent launch(es) had a wait time out (their "
+            "outputs are wrong: kernels/work_queue.py)")
     elif host.cycles.running:
         level, message = DiagnosticStatus.OK, "held (goal cancelled)" if engine.held else "cycling"
     else:
@@ -42,6 +46,7 @@ def diagnostics_sections(host: EngineHost) -> dict[str, tuple[bytes, str, dict]]
             "observation_age_ticks": cycles.observation_age_ticks,
             "unstamped_observations": cycles.unstamped,
             "chunks_after_deadline": loop.action_late,
+            "persistent_wait_timeouts": loop.wait_timeouts,
             "cycle_overruns": loop.overruns,
             "cycle_errors": cycles.errors,
             "cycle_failures": faults.failures,

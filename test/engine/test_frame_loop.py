@@ -359,3 +359,32 @@ def test_the_lm_head_runs_only_for_a_language_request_after_the_action(tiny_mode
     lazy = m.prefill(arena, a, prefix, lazy=True)
     assert isinstance(lazy, LazyLogits) and not lazy.computed
     assert torch.equal(lazy.value(), m.prefill(arena, b, prefix)) and lazy.computed
+
+
+def test_a_persistent_launch_that_gave_up_waiting_is_counted(tiny_model):
+    """A kept workspace whose launch had a wait run out (its error flag set: its outputs
+    were wrong) shows in the loop's counters at the next check, every WAIT_CHECK_CYCLES
+    cycles, where the chunk's copy has synced the device."""
+    from embodied_kv.engine.frame_loop import WAIT_CHECK_CYCLES
+    from embodied_kv.kernels.expert_layer_step import StepWork
+
+    loop = make_loop(tiny_model, LoopConfig(period_s=1.0, narrate_every=0))
+    obs = observations(tiny_model, 1)[0]
+    loop.warmup(obs)
+    loop.cycle(obs, 0, 0)
+    assert loop.counters.wait_timeouts == 0
+    e = tiny_model.cfg.expert
+    h = torch.zeros(tiny_model.cfg.action_horizon, e.width)
+    heads = (e.heads, e.kv_heads, e.head_dim)
+    work = StepWork.new(h, torch.zeros((e.heads + 2 * e.kv_heads) * e.head_dim, e.width),
+                        torch.zeros(e.width, e.heads * e.head_dim), torch.zeros(e.width, e.mlp),
+                        heads, 64)  # fmt: skip
+    work.phases[-1] = 1  # the error flag a timed-out wait sets
+    steps = tiny_model.expert.workspaces._steps
+    steps["flagged"] = work
+    try:
+        for f in range(1, WAIT_CHECK_CYCLES + 1):
+            loop.cycle(obs, f, f)
+        assert loop.counters.wait_timeouts == 1
+    finally:
+        del steps["flagged"]

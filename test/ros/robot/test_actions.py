@@ -47,6 +47,7 @@ def test_diagnostics_report_rate_misses_tokens_arena_and_capsules(robot):
     assert engine["rtc_enabled"] == "False" and int(engine["chunk_switches"]) >= 0
     assert {"boundary_jump_max", "boundary_jump_last", "inference_delay_ticks"} <= set(engine)
     assert engine["kernels_off"] == "" and "kernels_off_reasons" in engine  # CPU: no kernel
+    assert engine["persistent_wait_timeouts"] == "0"
     assert int(sections["embodied_kv: kv arena"]["slots"]) == 8
     capsules = sections["embodied_kv: capsules"]
     assert {"gpu_bytes", "host_bytes", "disk_bytes"} <= set(capsules)
