@@ -56,10 +56,10 @@ def layer_table(offsets: torch.Tensor, mods: list[tuple[torch.Tensor, ...]],
                 biases: list[torch.Tensor]) -> LayerTable | None:  # fmt: skip
     """The table of a launch over the layers of `offsets` (weight_offsets, on the device);
     per layer its six modulation vectors (the two norms' scales, their shifts, the two
-    gates), K, V and mask. None when those are not at equal
-    steps from one layer to the next."""
-    mod = [{uniform_stride([m[j] for m in mods]) for j in pair} for pair in ((0, 1), (2, 3),
-                                                                             (4, 5))]  # fmt: skip
+    gates), K, V and mask. None when those are not at equal steps from one layer to the
+    next (each pair of vectors sharing one stride)."""
+    pairs = ((0, 1), (2, 3), (4, 5))  # the scales, the shifts, the gates
+    mod = [{uniform_stride([m[j] for m in mods]) for j in pair} for pair in pairs]
     kv = {uniform_stride(kps), uniform_stride(vps)}
     bias = uniform_stride(biases)
     if any(len(m) != 1 or None in m for m in mod) or len(kv) != 1 or None in kv or bias is None:

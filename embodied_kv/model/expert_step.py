@@ -141,16 +141,23 @@ def layer_step_persistent(
     (CPU tensors under TRITON_INTERPRET=1: the tests). `prefetch`: the launch's items start
     their phase's weights towards L2 before they wait (kernels/l2_prefetch.py
     prefetch_share; CUDA only)."""
+    out = _persistent_launch(layer, h, s, work, kernels, prefetch)
+    return layer_step_fused(layer, h, s, work) if out is None else out
+
+
+def _persistent_launch(layer, h, s, work, kernels, prefetch, table=None) -> torch.Tensor | None:
+    """The persistent kernel over layer (the first of `table`'s layers) -> h after it (after
+    the table's last); None where the dispatcher declines (a CPU, a Triton that cannot build
+    it). `kernels=True`: the kernel itself, whatever the device."""
     attn, mlp = layer.self_attn, layer.mlp
     heads = (attn.heads, attn.kv_heads, attn.head_dim)
     args = (h, s.scale1, s.shift, (layer.input_layernorm.eps, layer.post_attention_layernorm.eps),
             s.gate, attn.fusion.weight, heads, *s.cos_sin, s.kp, s.vp, s.bias, s.scale,
             attn.o_proj.weight, mlp.fusion.weight, mlp.down_proj.weight)  # fmt: skip
     if kernels:
-        return step_kernels.expert_layer_step_kernel(*args, prefetch=prefetch)
-    out = step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp),
-                                         prefetch=prefetch)  # fmt: skip
-    return layer_step_fused(layer, h, s, work) if out is None else out
+        return step_kernels.expert_layer_step_kernel(*args, table=table, prefetch=prefetch)
+    return step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp), table,
+                                          prefetch)  # fmt: skip
 
 
 def layers_step_persistent(
@@ -167,22 +174,13 @@ def layers_step_persistent(
     or views at uneven strides, norms with different eps, a CPU, a Triton that cannot build
     it): the caller then runs them one by one. `kernels=True`: the Triton kernel whatever
     the device (the tests, under TRITON_INTERPRET=1). `prefetch`: as layer_step_persistent's."""
-    norms = {(x.input_layernorm.eps, x.post_attention_layernorm.eps) for x in layers}
-    if len(norms) != 1 or not (kernels or h.is_cuda):
+    eps = {(x.input_layernorm.eps, x.post_attention_layernorm.eps) for x in layers}
+    if len(eps) != 1 or not (kernels or h.is_cuda):  # the launch takes layer 0's
         return None
     table = work.layer_table(layers, inputs)
     if table is None:
         return None
-    layer, s = layers[0], inputs[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    heads = (attn.heads, attn.kv_heads, attn.head_dim)
-    args = (h, s.scale1, s.shift, norms.pop(), s.gate, attn.fusion.weight, heads, *s.cos_sin,
-            s.kp, s.vp, s.bias, s.scale, attn.o_proj.weight, mlp.fusion.weight,
-            mlp.down_proj.weight)  # fmt: skip
-    if kernels:
-        return step_kernels.expert_layer_step_kernel(*args, table=table, prefetch=prefetch)
-    return step_kernels.expert_layer_step(*args, work.step(h, attn, mlp, heads, s.kp), table,
-                                          prefetch)  # fmt: skip
+    return _persistent_launch(layers[0], h, inputs[0], work, kernels, prefetch, table)
 
 
 def layer_step_fused(
@@ -263,8 +261,9 @@ class WorkspaceCache:
 
     def timed_out(self) -> int:
         """Kept workspaces whose persistent launches had a wait run past its bound
-        (kernels/work_queue.py: their results are wrong). Reads the device: benches and
-        tests call it, not the action path."""
+        (kernels/work_queue.py: their results are wrong). Reads the device: benches, tests
+        and the frame loop (every WAIT_CHECK_CYCLES, after the chunk's copy has synced),
+        never inside the action's path."""
         flags = [w[3][-1] for w in self._attention.values()]
         flags += [s.phases[-1] for s in self._steps.values()]
         return sum(int(f.item()) for f in flags)

@@ -69,18 +69,19 @@ class StepPrefetch:
 
     def __init__(self, layers, steps: int, device: torch.device, enabled: bool = PREFETCH,
                  log: list | None = None, stream: torch.cuda.Stream | None = None):  # fmt: skip
-        self.steps, self.log = steps, log
-        self.weights = [gemm_weights(layer) for layer in layers]
+        self.steps, self.log, self.stream, self._forked = steps, log, stream, False
         device = torch.device(device)
         self.cuda = enabled and device.type == "cuda"
+        self.active = self.cuda or (enabled and log is not None)
+        if not self.active:  # a CPU's every sample: nothing to look up
+            return
+        self.weights = [gemm_weights(layer) for layer in layers]
         if self.cuda:
             props = torch.cuda.get_device_properties(device)
             self.cuda = fits(self.weights, getattr(props, "L2_cache_size", 0))  # 0: unknown, off
-        self.stream = stream
+            self.active = self.cuda or log is not None
         if self.cuda and self.stream is None:
             self.stream = torch.cuda.Stream(device)
-        self.active = self.cuda or (enabled and log is not None)
-        self._forked = False
         if self.active:
             self._prefetch(0, 0, 0)  # the first q/k/v, before the first layer's norm
 
