@@ -13,6 +13,9 @@ of the action path in one device call of at most 8 minutes, and its dry twin on 
                       `cuda` mode, the fused kernels against their references)
     kernel_sweep      the expert layer-step's kernels over their tile configurations
                       beside the torch chains, 18 layers' weights from HBM (bench/kernel_sweep)
+    gemm_sweep        every GEMM shape of an action as F.linear runs it beside other ways
+                      (cuBLASLt, padded rows, split N or K on two streams) and the estimate's
+                      fitted price (bench/gemm_sweep: the floor under issue 33's 10 ms)
     latency_lerobot_compiled
                       on request (`--only latency_lerobot_compiled`, a call of its own):
                       LeRobot's policy under torch.compile (mode PEER_COMPILE) beside ours at
@@ -89,13 +92,20 @@ PROFILE = (
           "{out}/precision.json"),
          40.0, ("worst_ratio", "rows.0.bf16.rms", "rows.0.bf16_ref.rms")),
     Step("kernel_sweep",
-         ("-m", "embodied_kv.bench.kernel_sweep", "--budget-s", "80", "--json",
+         ("-m", "embodied_kv.bench.kernel_sweep", "--budget-s", "55", "--json",
           "{out}/kernel_sweep.json"),
          ("-m", "embodied_kv.bench.kernel_sweep", "--dry", "--json", "{out}/kernel_sweep.json"),
-         110.0, ("kernels.expert_attention.candidates.0.err", "kernels.norm_gate_up.chain_err",
+         80.0, ("kernels.expert_attention.candidates.0.err", "kernels.norm_gate_up.chain_err",
                  "kernels.gated_residual_down.candidates.0.ok"),
          ("kernels.expert_attention.chain_us", "kernels.expert_attention.best.config",
           "kernels.norm_qkv_rope.best_over_chain", "kernels.gated_residual_down.best.us")),
+    Step("gemm_sweep",
+         ("-m", "embodied_kv.bench.gemm_sweep", "--budget-s", "20", "--json",
+          "{out}/gemm_sweep.json"),
+         ("-m", "embodied_kv.bench.gemm_sweep", "--dry", "--json", "{out}/gemm_sweep.json"),
+         30.0, ("rows.0.candidates.linear.err", "rows.15.candidates.split_n2.ok",
+                "totals.prefill.estimate_ms"),
+         ("rows.0.candidates.linear.us", "totals.prefill.linear_ms", "totals.expert.best_ms")),
     Step("cuda_tests", ("-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *CUDA_TESTS),
          None, 150.0),
     Step("latency_lerobot_compiled",

@@ -376,15 +376,28 @@ def main(argv: list[str] | None = None) -> int:
         p_fit = fit(censuses)
         got = worst(estimates(censuses, p_fit))
         print("fit:", {k: p_fit[k] for k in FITTED}, f"worst {100 * got:.1f} %")
+    from embodied_kv.bench.estimate_floor import (
+        floor_rows,
+        measured_floor,
+        print_floor,
+        print_measured_floor,
+    )
     from embodied_kv.bench.estimate_h200_tables import fitted_rows, print_tables, today_rows
 
     estimated = estimates(censuses)
     fitted = fitted_rows(estimated)
     cams = (2,) if a.quick else (2, 3)
-    today = today_rows({s: record(s == "fused", cams) for s in PATHS})
+    recorded = {s: record(s == "fused", cams) for s in PATHS}
+    today = today_rows(recorded)
     print_tables(fitted, today, worst(estimated))
+    floor = {hbm: floor_rows(recorded, hbm) for hbm in (HBM_H200, HBM_H100)}
+    print_floor(floor[HBM_H200], floor[HBM_H100])
+    measured_rows = measured_floor()
+    print_measured_floor(measured_rows)
     if a.json:
-        out = dict(params=params(), worst_error=worst(estimated), fitted=fitted, today=today)
+        out = dict(params=params(), worst_error=worst(estimated), fitted=fitted, today=today,
+                   floor=floor[HBM_H200], floor_h100=floor[HBM_H100],
+                   measured_floor=measured_rows)  # fmt: skip
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
 
