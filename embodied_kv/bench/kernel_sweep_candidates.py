@@ -170,9 +170,9 @@ def rope_attn_candidates(s):
 
 
 def step_candidates(s):
-    """The fused layer-step as one persistent launch (kernels/expert_layer_step.py), against
-    its five launches (the row's chain)."""
-    def make(L):
+    """The fused layer-step as one persistent launch (kernels/expert_layer_step.py), one and
+    two programs a SM, against its five launches (the row's chain)."""
+    def make(L, per_sm):
         heads = (s["hq"], s["hkv"], s["d"])
         work = step_k.StepWork.new(L["h"], L["w_qkv"], L["w_o"], L["w_d"], heads, s["bucket"])
         out = torch.empty_like(L["h"])
@@ -180,7 +180,8 @@ def step_candidates(s):
         launch = step_k.plan_layer_step(
             L["h"], pair(L["scale1"]), pair(L["shift"]), pair(EPS), pair(L["gate"]), L["w_qkv"],
             heads, L["cos"], L["sin"], L["kp"], L["vp"], L["bias"], s["d"] ** -0.5, L["w_o"],
-            L["w_gu"], L["w_d"], work, out,
+            L["w_gu"], L["w_d"], work, out, per_sm=per_sm,
         )  # fmt: skip
         return out, launch.run
-    yield "persistent", make
+    for per_sm in (1, 2):
+        yield f"persistent per_sm={per_sm}", lambda L, p=per_sm: make(L, p)

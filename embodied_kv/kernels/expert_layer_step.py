@@ -53,6 +53,10 @@ from embodied_kv.kernels.triton_base import LOG2E, Launch, pow2, tl, triton, use
 from embodied_kv.kernels.work_queue import MAX_SPINS, QUEUE_WORDS, programs
 
 PHASE_WORDS = 5 + QUEUE_WORDS  # arrivals of phases 0, 2, 3, 4, 5; the queue's two words
+# programs a SM (work_queue.programs): one program of 4 warps a SM streams the GEMM phases'
+# weights with few loads in flight; two fit at once at sm_90 (249 registers x 128 threads,
+# 82 KiB of shared memory each). Untimed: bench/kernel_sweep's layer_step row times both
+PROGRAMS_PER_SM = 1
 
 
 @dataclass
@@ -255,11 +259,12 @@ if triton is not None:
 def plan_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp, bias,
                     scale: float, w_o, w_gu, w_down, work: StepWork, out,
                     max_spins: int = MAX_SPINS, table: LayerTable | None = None,
-                    prefetch: bool = True) -> Launch:  # fmt: skip
+                    prefetch: bool = True, per_sm: int | None = None) -> Launch:  # fmt: skip
     """The one launch (inputs already validated; `meta` tensors work). scale1, shift, eps,
     gate: pairs (the input norm and the gate after the attention, the post-attention norm
     and the gate after the MLP); heads (Hq, Hkv, D). The tensors are layer 0's; `table`
-    (layer_table) runs its layers one after another in the launch, out the last one's."""
+    (layer_table) runs its layers one after another in the launch, out the last one's.
+    `per_sm`: programs a SM (None: PROGRAMS_PER_SM)."""
     table = table or one_layer(work)
     pf_mode = kernel_mode(h.device, prefetch)  # none under the interpreter
     (n, width), (hq, hkv, d), hidden = h.shape, heads, w_down.shape[1]
@@ -296,7 +301,7 @@ def plan_layer_step(h, scale1, shift, eps, gate, w_qkv, heads, cos, sin, kp, vp,
         name=f"expert_layer_step {str(h.dtype).removeprefix('torch.')} N={n} W={width} "
         f"heads={hq}/{hkv} D={d} F={hidden} splits={splits} layers={table.layers}",
         kernel=_expert_layer_step_fwd,
-        grid=(programs(items * table.layers, h.device),),
+        grid=(programs(items * table.layers, h.device, per_sm or PROGRAMS_PER_SM),),
         args=args,
         constexprs={
             "QKV_BLOCK_M": qkv.constexprs["BLOCK_M"],

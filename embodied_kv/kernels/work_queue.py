@@ -37,14 +37,16 @@ CPU_PROGRAMS = 4  # the grid off CUDA (the interpreter runs programs one after a
 QUEUE_WORDS = 2  # int32: [next item, error flag]
 
 
-def programs(items: int, device: torch.device | str) -> int:
-    """The persistent grid: one program per SM of the GPU (at most one per item)."""
+def programs(items: int, device: torch.device | str, per_sm: int = 1) -> int:
+    """The persistent grid: `per_sm` programs per SM of the GPU (at most one per item). Any
+    grid is correct (see above); more than one a SM only helps where that many fit at once
+    (registers, shared memory) and keep more loads in flight than one does."""
     device = torch.device(device)
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = CPU_PROGRAMS
-    return max(1, min(items, sms))
+    return max(1, min(items, sms * per_sm))
 
 
 def failed(queue: torch.Tensor) -> bool:

@@ -89,10 +89,12 @@ def test_fused_layer_step_equals_the_cpu_chain(dtype, rows):
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [None, 96])  # exact prefix; a graph's row bucket (masked)
-def test_the_persistent_layer_step_is_the_five_kernels_bytewise(dtype, rows):
+def test_the_persistent_layer_step_is_the_five_kernels_bytewise(dtype, rows, monkeypatch):
     """One persistent launch (kernels/expert_layer_step.py) = the five kernel calls, byte for
     byte under the interpreter (program 0 takes every item in order); twice on one
-    workspace: the same bytes, every counter back at 0 and no wait timed out."""
+    workspace: the same bytes, every counter back at 0 and no wait timed out; again with two
+    programs a SM (a grid twice as large: the launch's last grab still resets the queue)."""
+    import embodied_kv.kernels.expert_layer_step as step_k
     from embodied_kv.kernels.expert_layer_step import StepWork, failed
 
     m, arena, slot, n = model_and_prefix(dtype)
@@ -113,12 +115,16 @@ def test_the_persistent_layer_step_is_the_five_kernels_bytewise(dtype, rows):
     args = (h, s.scale1, s.shift, (layer.input_layernorm.eps, layer.post_attention_layernorm.eps),
             s.gate, attn.fusion.weight, heads, *s.cos_sin, s.kp, s.vp, s.bias, s.scale,
             attn.o_proj.weight, mlp.fusion.weight, mlp.down_proj.weight)  # fmt: skip
-    with torch.no_grad():
-        once = expert_layer_step_kernel(*args, work)
-        twice = expert_layer_step_kernel(*args, work)
-    assert torch.equal(once, want) and torch.equal(twice, want)
     counters = [work.phases, work.attention[3], work.o_work[1], work.down_work[1]]
-    assert all(int(c.abs().sum()) == 0 for c in counters) and not failed(work)
+    for per_sm in (1, 2):
+        monkeypatch.setattr(step_k, "PROGRAMS_PER_SM", per_sm)
+        with torch.no_grad():
+            once = expert_layer_step_kernel(*args, work)
+            twice = expert_layer_step_kernel(*args, work)
+        assert torch.equal(once, want) and torch.equal(twice, want), per_sm
+        assert all(int(c.abs().sum()) == 0 for c in counters) and not failed(work)
+    launch = step_k.plan_layer_step(*args, work, torch.empty_like(h), per_sm=2)
+    assert launch.grid == (2 * 4,)  # work_queue.CPU_PROGRAMS a "SM" off CUDA
 
 
 @interpreted
