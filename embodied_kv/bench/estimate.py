@@ -70,6 +70,11 @@ REGIONS = ("vision", "embed", "prefill", "logits", "denoise")
 CAPTURED = {"vision", "prefill", "logits", "denoise"}  # engine/graphs.py: vision, step, denoise
 
 
+def step_bucket(rows: int) -> int:
+    """The packed step's graph bucket for `rows` tokens (engine/graphs.py STEP_BUCKETS)."""
+    return next(b for b in STEP_BUCKETS if b >= rows)
+
+
 def attention_cost(q, k_cache, slot, kv_len) -> tuple | list:
     """The Triton packed-attention kernel (the prefill tile at a prefill's size): QK^T and
     PV over each token's rows; q and out once; K/V of a slot once from HBM (a slot's layer
@@ -252,7 +257,7 @@ def action_census(model, cameras: int, text_tokens: int, graph_pad: bool) -> dic
     images = synthetic_observation(c, 0).images[:cameras]
     ids = torch.arange(text_tokens) % 200 + 32
     n = cameras * c.vision.tokens + text_tokens
-    pad = next(b for b in STEP_BUCKETS if b >= n) if graph_pad else 0
+    pad = step_bucket(n) if graph_pad else 0
     rows = next(b for b in DENOISE_BUCKETS if b >= n)
     arena = model.new_arena(1, max(rows, -(-max(n, pad) // KEY_BLOCK) * KEY_BLOCK))
     slot = arena.allocate()
@@ -318,9 +323,7 @@ def estimate(cameras_list=(2, 3), text_tokens: int = TEXT_TOKENS) -> dict:
             {
                 "cameras": cams,
                 "prefix_tokens": cams * full.vision.tokens + text_tokens,
-                "step_bucket": next(
-                    b for b in STEP_BUCKETS if b >= cams * full.vision.tokens + text_tokens
-                ),
+                "step_bucket": step_bucket(cams * full.vision.tokens + text_tokens),
                 "kernels": {r: round(t[r].kernels) for r in REGIONS},
                 "kernels_total": round(sum(t[r].kernels for r in REGIONS)),
                 "tflop": sum(t[r].flops for r in REGIONS) / 1e12,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 
 from embodied_kv.bench import estimate_h200 as h2
-from embodied_kv.engine.graphs import STEP_BUCKETS
+from embodied_kv.bench.estimate import step_bucket
 from embodied_kv.model.config import get_preset
 
 GEMM_CLASSES = ("gemm", "triton_gemm")
@@ -34,17 +34,7 @@ GEMM_CLASSES = ("gemm", "triton_gemm")
 # path, 9fde0a2: every cuBLAS GEMM of vision and prefill in its top 20) and call 2's sweep
 PROFILE = h2.H200_RESULTS / "latency.json"
 SWEEP = h2.H200_RESULTS / "kernel_sweep.json"
-# the sweep's rows of an expert layer-step: the GEMMs (each with the norm, RoPE or gated
-# residual fused or chained around it) and the attention
-EXPERT_GEMMS = ("norm_qkv_rope", "gated_residual_o", "norm_gate_up", "gated_residual_down")
-
-
 DRY_ROWS = {"prefill": 40, "prefill3": 56, "vision": 32, "expert": 5}
-
-
-def bucket(rows: int) -> int:
-    """The prefill's step bucket for `rows` tokens (engine/graphs.py, 8-row grain on CUDA)."""
-    return next(b for b in STEP_BUCKETS if b >= rows)
 
 
 def shapes(name: str) -> list[dict]:
@@ -52,9 +42,10 @@ def shapes(name: str) -> list[dict]:
     c = get_preset(name)
     b, e, v = c.backbone, c.expert, c.vision
     dry = name != "pi05"
-    rows = {  # the measured prefixes: 2 and 3 cameras of 256 image tokens + 151 text tokens
-        "prefill": DRY_ROWS["prefill"] if dry else bucket(663),
-        "prefill3": DRY_ROWS["prefill3"] if dry else bucket(921),
+    prefix = h2.cal.MEASURED_PREFIX  # 2 and 3 cameras of 256 image tokens + the prompt
+    rows = {
+        "prefill": DRY_ROWS["prefill"] if dry else step_bucket(prefix[2]),
+        "prefill3": DRY_ROWS["prefill3"] if dry else step_bucket(prefix[3]),
         "vision": DRY_ROWS["vision"] if dry else 2 * v.tokens,
         "expert": DRY_ROWS["expert"] if dry else c.action_horizon,
     }
@@ -140,6 +131,12 @@ def expert_attention_us(sweep: dict) -> float:
     return min(row["chain_us"], row.get("best", {}).get("us", float("inf")))
 
 
+def expert_layer_steps() -> int:
+    """An action's expert layer-steps at pi05: its layers x the Euler steps (180)."""
+    c = get_preset("pi05")
+    return c.expert.layers * c.denoise_steps
+
+
 def expert_weights_ms(hbm: float = h2.HBM_H200) -> float:
     """The action expert's weights read once a layer-step at the full HBM bandwidth (no
     measured kernel does better: the H200's chain took ~11.4 ms for its whole denoise)."""
@@ -156,6 +153,8 @@ def measured_floor(profile: dict | None = None, sweep: dict | None = None) -> li
     profile = profile or json.loads(PROFILE.read_text())
     sweep = sweep or json.loads(SWEEP.read_text())
     host = h2.host_ms()
+    weights_ms = expert_weights_ms()
+    attention_ms = 1e-3 * expert_layer_steps() * expert_attention_us(sweep)
     rows = []
     for row in profile["rows"]:
         k = row["kernels"]
@@ -164,8 +163,8 @@ def measured_floor(profile: dict | None = None, sweep: dict | None = None) -> li
         r = dict(cameras=cams,
                  gemm_ms=1e-3 * sum(us for n, us in per_cycle.items() if is_gemm(n)),
                  attention_ms=1e-3 * sum(us for n, us in per_cycle.items() if is_attention(n)),
-                 expert_weights_ms=expert_weights_ms(), host_ms=host[cams],
-                 expert_attention_ms=180e-3 * expert_attention_us(sweep))  # fmt: skip
+                 expert_weights_ms=weights_ms, host_ms=host[cams],
+                 expert_attention_ms=attention_ms)  # fmt: skip
         r["total_ms"] = r["gemm_ms"] + r["attention_ms"] + r["expert_weights_ms"] + r["host_ms"]
         rows.append(r)
     return rows

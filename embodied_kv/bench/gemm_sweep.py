@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from embodied_kv.bench import estimate_calibration as cal
 from embodied_kv.bench import estimate_h200 as h2
-from embodied_kv.bench.estimate_floor import shapes
+from embodied_kv.bench.estimate_floor import gemm_ms, shapes
 from embodied_kv.bench.kernel_sweep import rel_err, time_graph
 
 LAYERS = 18  # weight sets rotated in a graph (the backbone's and the expert's depth)
@@ -52,11 +52,10 @@ LAYERS = 18  # weight sets rotated in a graph (the backbone's and the expert's d
 
 def estimate_us(s: dict) -> float:
     """The calibrated estimate's price of one call (H200 constants, cuBLAS class, its fixed
-    cost left out: the floor's term)."""
-    p = h2.params()
-    k = dict(cls="gemm", flops=2.0 * s["m"] * s["n"] * s["k"], rows=s["m"], fp32=False,
+    cost left out: the floor's term, estimate_floor.gemm_ms)."""
+    k = dict(cls="gemm", n=1, flops=2.0 * s["m"] * s["n"] * s["k"], rows=s["m"], fp32=False,
              bytes=2.0 * (s["m"] * s["k"] + s["k"] * s["n"] + s["m"] * s["n"]))  # fmt: skip
-    return 1e6 * (h2.kernel_s(k, p, h2.in_h100_terms(p)) - p["kernel_fixed_s"])
+    return 1e3 * gemm_ms([k], h2.params())
 
 
 @contextmanager
